@@ -1,0 +1,7 @@
+"""nano-vLLM: a fast, small, readable LLM inference engine."""
+from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""Config: the engine settings of one `LLM`, validated once at construction.
+
+Users pass these as keyword arguments to `LLM(model, **kwargs)`; an unknown
+keyword or an out-of-range value is a `ValueError` naming it. `Config` is frozen:
+values derived later (the model's config, the resolved device and dtype, the KV
+cache size) live in the objects that derive them, not here.
+"""
+from dataclasses import dataclass, fields
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# 16 tokens per block, as vLLM: prefix-cache hits and the last partial block waste
+# at most 15 slots, and our attention kernels gather keys by slot, so the block size
+# does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None          # None: the model's max_position_embeddings, capped
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    kvcache_block_size: int = DEFAULT_BLOCK_SIZE
+    num_kvcache_blocks: int | None = None     # fixed cache size; overrides the memory budget
+    kv_cache_memory_bytes: int | None = None  # CPU: memory budget for the KV cache
+    gpu_memory_utilization: float = 0.9       # GPU: fraction of device memory the engine may use
+    skip_tokenizer_init: bool = False
+    tokenizer: str | None = None
+    max_n: int = 64                           # cap on SamplingParams.n
+    trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
+
+    def __post_init__(self):
+        _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
+                        "kvcache_block_size", "max_n")
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
+            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+
+def _check_positive(cfg: Config, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

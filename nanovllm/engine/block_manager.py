@@ -1,0 +1,155 @@
+"""BlockManager: the paged KV cache as numbered blocks, with prefix caching.
+
+The cache holds `num_blocks` blocks of `block_size` token slots. A sequence's
+`block_table` lists its blocks in order. Each full block is identified by a hash
+chain (xxhash over the previous block's hash and this block's token ids), so two
+prompts that start with the same tokens share the same physical blocks.
+
+Rules:
+- a block is free when its reference count is 0, even if it still holds a cached
+  prefix; free blocks wait in least-recently-freed order and a cached one is
+  evicted (its hash forgotten) only when it is handed out again;
+- a hash hit is confirmed against the stored token ids, so a collision never
+  shares wrong keys and values;
+- a sequence's blocks are freed tail first, so the tail of a prefix is evicted
+  before its head.
+"""
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def hash_block(token_ids: list[int], prev_hash: int) -> int:
+    """Chain hash of one full block: depends on every token before it too."""
+    h = xxhash.xxh64()
+    if prev_hash != NO_HASH:
+        h.update(prev_hash.to_bytes(8, "little"))
+    for t in token_ids:
+        h.update(t.to_bytes(4, "little", signed=True))
+    return h.intdigest()
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH             # set while the block is registered in the prefix cache
+        self.token_ids: list[int] = []  # the tokens behind `hash`, to confirm hits
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_prefix_hit_tokens = 0    # prompt tokens served from the cache, ever
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up, ever
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    # ---- prefix cache -------------------------------------------------------
+
+    def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """Hash chain of the first `num_full_blocks` blocks of `seq`, reusing `seq.block_hashes`."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            prev = hashes[-1] if hashes else NO_HASH
+            hashes.append(hash_block(seq.block(len(hashes)), prev))
+        return hashes[:num_full_blocks]
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks that hold a prefix of `seq` (no side effects).
+
+        At least one token is always left to compute, so that the step yields logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for i, h in enumerate(self.block_hashes(seq, max_blocks)):
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != seq.block(i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are full and computed in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for i, h in enumerate(self.block_hashes(seq, num_full)):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != NO_HASH or h in self.hash_to_block_id:
+                continue  # already registered, or another block holds the same tokens
+            block.hash, block.token_ids = h, seq.block(i)
+            self.hash_to_block_id[h] = block.block_id
+
+    # ---- allocation ---------------------------------------------------------
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make `seq.block_table` cover its computed tokens plus `num_new_tokens`.
+
+        On a sequence's first allocation, cached prefix blocks are taken first and
+        `seq.num_computed_tokens` / `seq.num_cached_tokens` advance past them.
+        Returns False, changing nothing, when too few blocks are free.
+        """
+        admitting = not seq.block_table
+        hits = self.find_cached_blocks(seq) if admitting else []
+        num_cached_tokens = len(hits) * self.block_size
+        num_tokens = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(hits))
+        num_revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if num_new_blocks + num_revived > self.num_free_blocks:
+            return False
+        if admitting and self.enable_prefix_caching:
+            self.num_prefix_query_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += num_cached_tokens
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table.extend(hits)
+        seq.num_computed_tokens += num_cached_tokens
+        if admitting:
+            seq.num_cached_tokens = num_cached_tokens  # as of the latest admission
+        seq.block_table.extend(self._allocate_fresh() for _ in range(num_new_blocks))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`, tail first; cached ones stay findable."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"double free of block {block_id}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        if block.hash != NO_HASH:  # evict the cached prefix it held
+            del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = NO_HASH, []
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,144 @@
+"""ModelRunner: one per device (rank). Loads the model, sizes the KV cache, turns a
+scheduled step into tensors, runs the forward pass and samples.
+
+Everything a forward pass needs is built in `prepare_*` and published through
+`utils/context.py` in `run`, inside one `set_context` block.
+"""
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.model_source import ModelSource
+from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import get_attention_backend
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.model_config import ModelConfig
+from nanovllm.models.registry import get_model_class
+from nanovllm.utils.context import Context, set_context
+from nanovllm.utils.device import resolve_device, resolve_dtype
+from nanovllm.utils.loader import load_dummy_weights, load_named_weights
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB when neither a block count nor a budget is given
+
+
+class ModelRunner:
+    def __init__(self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.block_size = config.kvcache_block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.dtype)
+        self.model = self._load_model(source)
+        self.sampler = Sampler()
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+
+    # ---- start-up -------------------------------------------------------------
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        torch.manual_seed(self.config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = get_model_class(self.model_config.architecture)(
+                    self.model_config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.config.load_format == "dummy":
+            load_dummy_weights(model, self.config.seed)
+        else:
+            load_named_weights(model, source.named_weights())
+        Attention.backend = get_attention_backend(self.device.type)
+        return model.eval()
+
+    def _kv_bytes_per_block(self) -> int:
+        attn = self._attention_layers()[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self._attention_layers())
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _num_blocks_to_allocate(self) -> int:
+        if self.config.num_kvcache_blocks is not None:
+            return self.config.num_kvcache_blocks
+        if self.device.type == "cuda":
+            return self._gpu_num_blocks()
+        budget = self.config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        return budget // self._kv_bytes_per_block()
+
+    def _gpu_num_blocks(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used - self._activation_reserve_bytes()
+        return int(budget // self._kv_bytes_per_block())
+
+    def _activation_reserve_bytes(self) -> int:
+        """Room for activations and logits of the largest step."""
+        cfg, tokens = self.model_config, self.config.max_num_batched_tokens
+        per_token = (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * self.dtype.itemsize
+        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 3
+        return tokens * per_token * 2 + logits
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self._num_blocks_to_allocate()
+        needed = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
+                             f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks); "
+                             "give it more memory or lower max_model_len")
+        for attn in self._attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return num_blocks
+
+    # ---- one step -------------------------------------------------------------
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        """Flatten the scheduled tokens of `seqs` into one batch.
+
+        Returns input_ids [num_tokens], positions [num_tokens], the attention
+        context, and the indices (into `seqs`) of the sequences that sample.
+        """
+        input_ids, positions, slots, cu_q, lens_k, sampling = [], [], [], [0], [], []
+        bs = self.block_size
+        for i, seq in enumerate(seqs):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_q.append(cu_q[-1] + end - start)
+            lens_k.append(end)
+            if end == seq.num_tokens:
+                sampling.append(i)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        logits_indices = [cu_q[i + 1] - 1 for i in sampling]
+        t = self._tensor
+        context = Context(
+            slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu_q, torch.int32),
+            seq_lens_k=t(lens_k, torch.int32), block_tables=t(tables, torch.int32),
+            max_seqlen_q=max(cu_q[i + 1] - cu_q[i] for i in range(len(seqs))), max_seqlen_k=max(lens_k),
+            is_decode_only=cu_q[-1] == len(seqs), logits_indices=t(logits_indices, torch.int64))
+        return t(input_ids, torch.int64), t(positions, torch.int64), context, sampling
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
+            self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int | None]:
+        """Run one scheduled step; returns the sampled token of each sequence (None: mid-prompt)."""
+        input_ids, positions, context, sampling = self.prepare(seqs)
+        with set_context(context):
+            hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden) if sampling else None
+        tokens: list[int | None] = [None] * len(seqs)
+        if logits is None:
+            return tokens
+        temperatures = self._tensor([seqs[i].sampling_params.temperature for i in sampling], torch.float32)
+        for i, token in zip(sampling, self.sampler(logits, temperatures).tolist()):
+            tokens[i] = token
+        return tokens

@@ -1,0 +1,140 @@
+"""Scheduler: which sequences run this step, and how many tokens each.
+
+Design choice: one step may mix decodes (one token each) and prefill chunks, as
+vLLM v1 does, instead of Nano-vLLM's separate prefill and decode steps. A mixed
+step keeps running sequences decoding while a long prompt is prefilled in
+chunks (no decode stall, steadier inter-token latency), and the unified paged
+attention kernel serves both kinds of query in one launch, so mixing costs
+nothing extra. Every sequence is simply "compute my uncomputed tokens", capped by
+the step's token budget: a decode has one, a prompt has many.
+
+Each step fills a budget of `max_num_batched_tokens` tokens and `max_num_seqs`
+sequences: running sequences first (oldest first), then waiting ones in arrival
+order. When the KV cache runs out, the newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed (cheaply, through the prefix cache) later.
+"""
+from collections import deque
+from typing import Callable
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+# Decides whether a sequence that just got a token is finished: returns the
+# finish reason ("stop", "length") or None. Built by the output processing.
+StopChecker = Callable[[Sequence], str | None]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        needed = -(-seq.num_tokens // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"sequence of {seq.num_tokens} tokens needs {needed} KV blocks, "
+                             f"but the cache has only {self.block_manager.num_blocks}")
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling -----------------------------------------------------------
+
+    def schedule(self) -> list[Sequence]:
+        """Pick this step's sequences and set each one's `num_scheduled_tokens`."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        num_preemptions = self.num_preemptions
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if self._allocate_or_preempt(seq, num_tokens):
+                budget -= self._schedule(seq, num_tokens, scheduled)
+        if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
+            self._admit_waiting(budget, scheduled)
+        return scheduled
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
+        """Find blocks for `seq`, preempting newer running sequences; False if `seq` itself went."""
+        while not self.block_manager.allocate_slots(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                if not self.running:
+                    raise RuntimeError(f"sequence {seq.seq_id} cannot fit in an empty KV cache")
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[Sequence]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = seq.num_uncomputed_tokens - self._cached_tokens(seq)
+            num_tokens = min(num_new, budget)
+            if not self.block_manager.allocate_slots(seq, num_tokens):
+                break  # first come, first served: nobody jumps the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._schedule(seq, num_tokens, scheduled)
+
+    def _cached_tokens(self, seq: Sequence) -> int:
+        return len(self.block_manager.find_cached_blocks(seq)) * self.block_manager.block_size
+
+    @staticmethod
+    def _schedule(seq: Sequence, num_tokens: int, scheduled: list[Sequence]) -> int:
+        seq.num_scheduled_tokens = num_tokens
+        scheduled.append(seq)
+        return num_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the forward pass -----------------------------------------------
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int | None],
+                    check_stop: StopChecker) -> list[Sequence]:
+        """Record a step's results; returns the sequences that finished.
+
+        `token_ids[i]` is the token sampled for `seqs[i]`, or None when that
+        sequence only computed part of its prompt this step.
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.append_token(token_id)
+            reason = check_stop(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` (stopped, out of length, or aborted) and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)

@@ -1,0 +1,16 @@
+"""Attention backends: the one place where CPU and GPU attention differ.
+
+A backend is a module with `store_kvcache(...)` and `paged_attention(...)` of the
+signatures in `torch_ref.py`. `get_attention_backend(device_type)` picks it.
+"""
+from types import ModuleType
+
+
+def get_attention_backend(device_type: str) -> ModuleType:
+    if device_type == "cuda":
+        from nanovllm.kernels import triton_attn
+        return triton_attn
+    if device_type == "cpu":
+        from nanovllm.kernels import torch_ref
+        return torch_ref
+    raise ValueError(f"no attention backend for device type {device_type!r} (supported: cpu, cuda)")

@@ -1,0 +1,69 @@
+"""Reference paged attention in plain torch: the CPU backend and the oracle for GPU kernels.
+
+The KV cache of one layer is two tensors `[num_blocks, block_size, num_kv_heads,
+head_dim]`. A sequence's token at position `p` lives in block
+`block_table[p // block_size]`, row `p % block_size`; the flat slot of that token
+is `block * block_size + row`.
+
+`paged_attention` serves any mix in one call: prefill of a whole prompt, a prefill
+chunk over a cached prefix, and single-token decodes. The queries of sequence `b`
+are the last `q_len` positions of its `seq_len_k` context, and query `i` attends
+causally to keys `0 .. seq_len_k - q_len + i`.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values into their slots; slot -1 is skipped.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:     [num_tokens] int
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
+
+
+def context_slots(block_table: torch.Tensor, seq_len_k: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..seq_len_k-1 of one sequence.  # [seq_len_k]"""
+    positions = torch.arange(seq_len_k, device=block_table.device)
+    blocks = block_table[positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its paged context.
+
+    q:            [num_tokens, num_heads, head_dim]
+    cu_seqlens_q: [num_seqs + 1] query offsets into q
+    seq_lens_k:   [num_seqs] context length, including this step's tokens
+    block_tables: [num_seqs, max_blocks]
+    Returns:      [num_tokens, num_heads, head_dim]
+    """
+    block_size = k_cache.shape[1]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len_k in enumerate(seq_lens_k.tolist()):
+        start, end = cu[b], cu[b + 1]
+        slots = context_slots(block_tables[b], seq_len_k, block_size)
+        out[start:end] = _attend(q[start:end], flat_k[slots], flat_v[slots], scale)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [q_len, num_heads, d]; k, v: [k_len, num_kv_heads, d], queries are the last q_len keys."""
+    q_len, k_len = q.shape[0], k.shape[0]
+    q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+    mask = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, k_len]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

@@ -1,0 +1,384 @@
+"""Triton kernels of the GPU path: store-KV and one unified paged-attention kernel.
+
+Same functions, arguments and semantics as `kernels/torch_ref.py` (the oracle):
+
+- `store_kvcache` writes this step's keys and values into the paged cache
+  `[num_blocks, block_size, num_kv_heads, head_dim]` through `slot_mapping`
+  (slot -1 is skipped).
+- `paged_attention` serves, in one launch, any mix of prefill chunks over a cached
+  prefix and single-token decodes. The queries of sequence `b` are the last `q_len`
+  positions of its `seq_len_k` context and attend causally.
+
+How the attention kernel is laid out (the design vLLM's `triton_unified_attention`
+and SGLang's split-KV decode describe, written anew here):
+
+- One program owns a tile of `BLOCK_Q` consecutive query tokens of one sequence times
+  all the query heads that share one KV head (GQA packing): `BLOCK_M = BLOCK_Q *
+  QPK_PAD` rows. Every K/V tile is loaded once for the whole group, which is what
+  makes decode read the cache once per KV head.
+- Keys are gathered token by token through the block table (`slot = block_table[pos
+  // block_size] * block_size + pos % block_size`), so a KV tile may span several
+  cache blocks and any block size works.
+- Online softmax in base 2, fp32 accumulators. KV tiles wholly visible to every row of
+  the query tile run without masks; only the tiles on the causal diagonal are masked.
+- Split-KV (flash-decoding): with few sequences and long contexts, `num_splits`
+  programs share one (query tile, KV head) and each covers a segment of the context;
+  a second kernel combines the partial results by log-sum-exp.
+
+Nothing in `paged_attention` reads device memory from the host: the grid comes from
+tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
+CUDA graph. Head sizes that are not a power of two are padded and masked.
+"""
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
+MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
+# Running maximum starts finite, so a row with no visible key in a tile gets p = 0
+# (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
+RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
+
+
+# ----------------------------------------------------------------------------- tiles
+# Tile shapes. Prefill tiles are large in M (queries x grouped heads) to feed the
+# matrix units; decode tiles hold one query token per sequence, so M is only the
+# group of query heads (padded to the 16 rows tl.dot needs).
+PREFILL_BLOCK_M = 128   # rows of a prefill tile: query tokens x heads of one group
+PREFILL_BLOCK_N = 64    # keys per KV tile in prefill
+PREFILL_NUM_WARPS = 8
+PREFILL_NUM_STAGES = 3  # K/V tiles in flight (software pipelining)
+DECODE_BLOCK_N = 64     # keys per KV tile in decode
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+
+# Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
+# with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
+# segments shorter than MIN_KEYS_PER_SPLIT keys, and never into more than MAX_SPLITS.
+TARGET_PROGRAMS_PER_SM = 4
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 32
+CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
+
+
+@triton.jit
+def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_kcb, stride_kcr, stride_kch,
+                          stride_vcb, stride_vcr, stride_vch,
+                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr):
+    """One program per token: copy its [num_kv_heads, head_dim] key and value."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // PAGE_SIZE
+    row = slot % PAGE_SIZE
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + block * stride_kcb + row * stride_kcr + heads * stride_kch + dims,
+             k, mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcr + heads * stride_vch + dims,
+             v, mask=mask)
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values into their slots; slot -1 is skipped.
+
+    key, value:       [num_tokens, num_kv_heads, head_dim] (last dim contiguous)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping:     [num_tokens] int
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1])
+
+
+# ------------------------------------------------------------------ attention kernel
+@triton.jit
+def _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Queries of the tile's rows.  # [BLOCK_M, HEAD_DIM_PAD]"""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offs = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    return tl.load(q_ptr + offs, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                  stride_b, stride_r, stride_h,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Gather the cache rows of `positions` through the block table.  # [BLOCK_N, HEAD_DIM_PAD]
+
+    Positions at or past `ctx_len` (MASKED tiles only) read 0, never the cache: slots
+    outside the context may hold anything, NaN included.
+    """
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (dims < HEAD_DIM)[None, :]                 # [1, HEAD_DIM_PAD]
+    if MASKED:
+        pos_ok = positions < ctx_len
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
+        mask = mask & pos_ok[:, None]
+    else:  # the caller passes context positions only
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
+    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
+                + kv_head * stride_h)                 # [BLOCK_N]
+    return tl.load(cache_ptr + row_offs[:, None] + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
+                    k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+                    stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """One online-softmax step of the query tile over KV tile `tile`."""
+    positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
+    k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_kb, stride_kr, stride_kh, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where(positions[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))                                 # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])                                       # [BLOCK_M, BLOCK_N]
+    v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_vb, stride_vr, stride_vh, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Store [BLOCK_M, HEAD_DIM_PAD] `values` at rows (token, head) of a [T, H, ...] tensor."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offs = tokens[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
+    tl.store(ptr + offs, values.to(ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _unified_attention_kernel(
+        out_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr,
+        cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
+        stride_pt, stride_ph, stride_lt, stride_lh,
+        QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid: (query tiles, sequences, KV heads x splits); query tiles heaviest first."""
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_k_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // QPK_PAD                  # [BLOCK_M] query of each row
+    head = kv_head * QPK + rows % QPK_PAD                         # [BLOCK_M] query head of each row
+    row_ok = (q_idx < q_len) & (rows % QPK_PAD < QPK)
+    q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
+    q = _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
+                     HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
+
+    # KV tiles this program covers, and how many of them every row sees whole.
+    first_pos = ctx_len - q_len + q_block * BLOCK_Q
+    kv_end = tl.minimum(first_pos + BLOCK_Q, ctx_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N, tile_end)
+    masked_begin = tl.maximum(tile_begin, full_end)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_begin, full_end):
+        acc, m_i, l_i = _attend_kv_tile(
+            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+            stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+            False, DOT_PRECISION)
+    for tile in range(masked_begin, tile_end):
+        acc, m_i, l_i = _attend_kv_tile(
+            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+            stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+            True, DOT_PRECISION)
+
+    tokens = q_start + q_idx
+    has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]              # [BLOCK_M, HEAD_DIM_PAD]
+    if NUM_SPLITS == 1:
+        _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
+                    HEAD_DIM, HEAD_DIM_PAD)
+    else:
+        _store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
+                    stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
+                           stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """One program per (token, head): weight each split's output by its softmax mass."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + splits,
+                  mask=split_ok, other=float("-inf"))                        # [SPLITS_PAD]
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = weight / 1.0
+    part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
+                   + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
+                   mask=split_ok[:, None], other=0.0)                          # [SPLITS_PAD, D]
+    o = tl.sum(part * weight[:, None], 0)                                      # [HEAD_DIM_PAD]
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
+             o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+# ------------------------------------------------------------------------ host side
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Workspace allocation (one place, so tests can poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, "
+                             f"got strides {tuple(t.stride())}")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_NOMINAL_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.device) -> int:
+    """Split-KV factor that fills the GPU without making segments too short."""
+    target = TARGET_PROGRAMS_PER_SM * _num_sms(device)
+    if programs >= target:
+        return 1
+    by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
+    return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
+
+
+def _tile_config(max_seqlen_q: int, qpk_pad: int) -> dict:
+    """Tile shape and launch settings: decode tiles when no sequence has > 1 query."""
+    if max_seqlen_q == 1:
+        block_m = max(MIN_DOT_DIM, qpk_pad)
+        return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+                    num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
+    block_m = max(PREFILL_BLOCK_M, qpk_pad)
+    return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
+                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                    block_tables: torch.Tensor, scale: float, *,
+                    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                    num_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its paged context.
+
+    q:            [num_tokens, num_heads, head_dim] (last dim contiguous)
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_seqlens_q: [num_seqs + 1] int32 query offsets into q
+    seq_lens_k:   [num_seqs] int32 context length, including this step's tokens
+    block_tables: [num_seqs, max_blocks] int32, -1 padded
+    Keyword-only, host-known facts (none is read from the device):
+      max_seqlen_q: longest query run in the batch; 1 means a decode-only batch (decode
+                    tiles). Default: the bound num_tokens - num_seqs + 1.
+      max_seqlen_k: longest context; only sizes the split-KV choice. Default: unknown,
+                    treated as long.
+      num_splits:   split-KV factor; default chosen from the grid size and max_seqlen_k.
+                    Any value is correct for any context length, so a CUDA graph may
+                    bake the one chosen at capture.
+      out:          [num_tokens, num_heads, head_dim] buffer to write into.
+    Returns:      out, [num_tokens, num_heads, head_dim]
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    _check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = num_tokens - num_seqs + 1
+    qpk = num_heads // num_kv_heads
+    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk))
+    num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
+    if num_splits is None:
+        num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
+                                        max_seqlen_k, q.device)
+    head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
+                                          q.device)
+    _unified_attention_kernel[(num_q_blocks, num_seqs, num_kv_heads * num_splits)](
+        out, part_out, part_lse, q, k_cache, v_cache,
+        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_lse, out.stride(0), out.stride(1),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+    return out
+
+
+def _split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim_pad: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 partial outputs [T, H, splits, D_pad] and log2-sum-exps [T, H, splits]."""
+    if num_splits == 1:  # unused by the kernel; any tensor stands in for the pointers
+        empty = _empty((1, 1, 1), torch.float32, device)
+        return empty, empty
+    return (_empty((num_tokens, num_heads, num_splits * head_dim_pad), torch.float32, device),
+            _empty((num_tokens, num_heads, num_splits), torch.float32, device))

@@ -1,0 +1,105 @@
+"""ModelConfig: one normalized view of a model's hyperparameters.
+
+HF `config.json` files (old `rope_scaling` + `rope_theta`, or transformers 5's
+`rope_parameters`) and GGUF metadata are both turned into this one frozen
+dataclass, so the model code reads a single vocabulary. Fields the engine does
+not implement (sliding windows, MLP bias, unknown rope types, other activations)
+are rejected here with a clear error instead of giving silently wrong text.
+"""
+from dataclasses import dataclass, field
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool            # bias on q/k/v projections (Qwen2)
+    qk_norm: bool                   # RMSNorm on q and k per head (Qwen3)
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str | None = None        # the checkpoint's dtype, e.g. "bfloat16"
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                             f"of num_key_value_heads ({self.num_key_value_heads})")
+
+    @classmethod
+    def from_hf(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """Normalize an HF config.json dict (and generation_config.json, for EOS ids)."""
+        arch = (hf.get("architectures") or ["?"])[0]
+        _reject_unsupported(hf)
+        rope_theta, rope_scaling = _rope_settings(hf)
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=rope_scaling,
+            eos_token_ids=_eos_ids(hf, generation_config or {}),
+            bos_token_id=hf.get("bos_token_id"),
+            dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        )
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _eos_ids(hf: dict, gen: dict) -> tuple[int, ...]:
+    ids = _as_list(hf.get("eos_token_id")) + _as_list(gen.get("eos_token_id"))
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def _reject_unsupported(hf: dict) -> None:
+    if hf.get("use_sliding_window") or (hf.get("sliding_window") and "use_sliding_window" not in hf):
+        raise ValueError(f"sliding window attention (sliding_window={hf.get('sliding_window')}) is not supported")
+    if any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise ValueError(f"layer_types other than full_attention are not supported: {set(hf['layer_types'])}")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")

@@ -1,0 +1,20 @@
+"""Model registry: HF `architectures` name -> model class."""
+from torch import nn
+
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.qwen2 import Qwen2ForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"model architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None

@@ -1,0 +1,37 @@
+"""Resolve `Config.device` and `Config.dtype` ("auto") into a torch device and dtype."""
+import functools
+
+import torch
+
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU flags that make bf16 matrix products fast (AMX tiles, or AVX512 bf16 dot products).
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return any(flag in flags for flag in FAST_BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
+    """"auto": the model's dtype on GPU (fp32 checkpoints run in bf16); on CPU bf16 where
+    the CPU multiplies bf16 fast, else fp32."""
+    if dtype != "auto":
+        return DTYPE_NAMES[dtype]
+    if device.type == "cpu":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    chosen = DTYPE_NAMES.get(str(model_dtype).removeprefix("torch."), torch.bfloat16)
+    return torch.bfloat16 if chosen == torch.float32 else chosen

@@ -1,0 +1,200 @@
+"""Triton kernels (`kernels/triton_attn.py`) against the torch reference (`kernels/torch_ref.py`).
+
+Where CUDA is available the kernels run natively, bf16 included, plus a CUDA-graph
+capture of a decode batch. Without it they run under Triton's interpreter on CPU
+tensors, in fp32 and fp16 only (the interpreter gets bf16 `tl.dot` wrong).
+
+How the interpreter is switched on without leaking into other tests: Triton chooses
+interpreter or compiler when a `@triton.jit` function is decorated, and its own library
+functions (`tl.sum`, `tl.cdiv`, ...) are decorated when `triton` is first imported, so
+`TRITON_INTERPRET=1` must be in the environment before any import of triton in the
+process. A pytest session cannot promise that (another test module may import triton
+first), so on a machine without CUDA this file re-runs itself in a child
+`python -m pytest` whose environment has `TRITON_INTERPRET=1` from the start
+(`test_kernels_under_triton_interpreter`); in the parent the kernel tests skip, and
+the child's report is shown on failure. Run the file with `TRITON_INTERPRET=1` set to
+see the individual tests. Without a GPU and without `triton`, everything skips.
+
+Every run draws fresh random inputs (the seed is in each failure message); outputs,
+split-KV workspaces and cache slots outside every context are NaN-poisoned, so an
+unwritten element or an unmasked read shows up as NaN.
+"""
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm.kernels import torch_ref
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol
+SPARE_BLOCKS = 3   # cache blocks no sequence owns: they stay NaN
+TABLE_PAD = 2      # extra -1 columns in every block table
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+RUN_HERE = HAS_TRITON and (HAS_CUDA or INTERPRETED)
+CHILD_TIMEOUT_S = 600
+
+
+@pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="kernels run in this process")
+def test_kernels_under_triton_interpreter():
+    """No GPU: run this file again, in a child process with the interpreter on."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           __file__], env=env, capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if not RUN_HERE:
+        pytest.skip("no GPU: runs in test_kernels_under_triton_interpreter's child")
+    from nanovllm.kernels import triton_attn
+    return triton_attn
+
+
+@pytest.fixture
+def poisoned_kernels(kernels, monkeypatch):
+    """The kernel module with NaN-filled split-KV workspaces."""
+    def nan_empty(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    monkeypatch.setattr(kernels, "_empty", nan_empty)
+    return kernels
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(secrets.randbits(31))  # initial_seed() in messages
+
+
+def _randn(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+# ------------------------------------------------------------------------ store_kvcache
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(16, 2, 64), (1, 3, 80), (5, 1, 32)])
+def test_store_kvcache(kernels, gen, dtype, block_size, num_kv_heads, head_dim):
+    num_tokens = 11
+    num_blocks = num_tokens + SPARE_BLOCKS  # enough slots even at block size 1
+    key = _randn(gen, num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    value = _randn(gen, num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[torch.rand(num_tokens, generator=gen) < 0.3] = -1
+    slot_mapping = slots.to(device=DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = _randn(gen, *shape, dtype=dtype)
+    v_cache = _randn(gen, *shape, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    kernels.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    torch_ref.store_kvcache(key, value, k_ref, v_ref, slot_mapping)
+    assert torch.equal(k_cache, k_ref), f"seed {gen.initial_seed()}"
+    assert torch.equal(v_cache, v_ref), f"seed {gen.initial_seed()}"
+
+
+# --------------------------------------------------------------------- paged_attention
+def _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """A batch of (num_cached, q_len) sequences over a shuffled, NaN-poisoned cache."""
+    ctx_lens = [cached + q_len for cached, q_len in seqs]
+    blocks_per_seq = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(blocks_per_seq) + SPARE_BLOCKS
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.full((len(seqs), max(blocks_per_seq) + TABLE_PAD), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for b, (ctx, nb) in enumerate(zip(ctx_lens, blocks_per_seq)):
+        blocks = torch.tensor([order.pop() for _ in range(nb)])
+        block_tables[b, :nb] = blocks
+        slots = torch_ref.context_slots(blocks, ctx, block_size)  # [ctx]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(
+            ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q_lens = [q_len for _, q_len in seqs]
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, cu_seqlens_q=cu_seqlens_q,
+                seq_lens_k=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=block_tables)
+
+
+def _reference(batch, scale):
+    """torch_ref in fp32 on the CPU, from the same (upcast) inputs."""
+    cpu = {k: v.cpu() for k, v in batch.items()}
+    for k in ("q", "k_cache", "v_cache"):
+        cpu[k] = cpu[k].float()
+    return torch_ref.paged_attention(**cpu, scale=scale)
+
+
+# (num_cached, q_len) per sequence; heads; kv heads; head_dim; block_size; kwargs
+ATTENTION_CASES = {
+    "mixed_gqa2": ([(0, 7), (19, 5), (130, 10), (0, 1), (32, 1), (40, 1)], 4, 2, 32, 16,
+                   dict(max_seqlen_q=10, max_seqlen_k=140)),
+    "mha_hd64_bs1": ([(3, 4), (0, 1), (9, 1)], 2, 2, 64, 1, {}),
+    "qpk3_hd80_bs5": ([(11, 6), (0, 3), (20, 1)], 6, 2, 80, 5, {}),
+    "long_prefill_hd96": ([(0, 150), (7, 1)], 2, 1, 96, 32, dict(max_seqlen_q=150)),
+    "gqa4_hd128_bs256": ([(70, 3), (5, 1), (300, 2)], 4, 1, 128, 256, {}),
+    "decode_split": ([(0, 1), (69, 1), (149, 1), (299, 1)], 8, 2, 64, 16,
+                     dict(max_seqlen_q=1, num_splits=3)),
+    "decode_qpk8": ([(15, 1), (40, 1)], 8, 1, 32, 4, dict(max_seqlen_q=1, max_seqlen_k=41)),
+    "prefill_split_mqa": ([(100, 9), (0, 20), (3, 1)], 4, 1, 32, 8, dict(num_splits=2)),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_paged_attention(poisoned_kernels, gen, case, dtype):
+    seqs, num_heads, num_kv_heads, head_dim, block_size, kwargs = ATTENTION_CASES[case]
+    batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    expected = _reference(batch, scale)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    out = torch.full_like(batch["q"], float("nan"))
+    got = poisoned_kernels.paged_attention(**batch, scale=scale, out=out, **kwargs)
+    assert got is out
+    got = got.float().cpu()
+    assert not got.isnan().any(), f"NaN in output (unwritten or unmasked), seed {gen.initial_seed()}"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol,
+                               msg=lambda m: f"{m}\nseed {gen.initial_seed()}")
+
+
+def test_paged_attention_allocates_output(kernels, gen):
+    batch = _make_batch(gen, [(5, 3), (9, 1)], 2, 1, 32, 4, torch.float32)
+    expected = _reference(batch, 0.25)
+    got = kernels.paged_attention(**{k: v.to(DEVICE) for k, v in batch.items()}, scale=0.25)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_heads_not_multiple_of_kv_heads(kernels, gen):
+    batch = _make_batch(gen, [(0, 2)], 3, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kernels.paged_attention(**{k: v.to(DEVICE) for k, v in batch.items()}, scale=1.0)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
+def test_decode_cuda_graph_replays_new_lengths(kernels, gen):
+    """Captured once, replayed on other context lengths: no host sync, fixed grid."""
+    seqs = [(300, 1), (17, 1), (1000, 1), (0, 1)]
+    batch = _make_batch(gen, seqs, 8, 2, 128, 16, torch.bfloat16)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    kwargs = dict(scale=0.1, max_seqlen_q=1, num_splits=4)
+    out = kernels.paged_attention(**batch, **kwargs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.paged_attention(**batch, **kwargs)
+    batch["seq_lens_k"].copy_(torch.tensor([5, 18, 700, 1], dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _reference(batch, kwargs["scale"])
+    torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
