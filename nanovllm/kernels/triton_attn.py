@@ -262,7 +262,7 @@ def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
     lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + splits,
                   mask=split_ok, other=float("-inf"))                        # [SPLITS_PAD]
     weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = weight / 1.0
+    weight = weight / tl.sum(weight, 0)
     part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
                    + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
                    mask=split_ok[:, None], other=0.0)                          # [SPLITS_PAD, D]
