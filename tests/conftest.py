@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny models of each family, built once per pytest session."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """tiny_model(family) -> (model_dir, hf_model); each family is built once."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            path = str(tmp_path_factory.mktemp(f"tiny-{family}"))
+            built[family] = (path, build_tiny_model(family, path))
+        return built[family]
+    return get
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param

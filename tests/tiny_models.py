@@ -1,0 +1,42 @@
+"""Tiny random models of each supported family, saved as HF directories.
+
+Built with HF transformers from a fixed seed and `initializer_range` 0.2, so the
+greedy continuation varies (at HF's default 0.02 a tiny model repeats one token).
+Both HF and nano-vLLM load the saved directory; HF's model is the reference.
+"""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.2)
+
+FAMILIES = {
+    # Qwen3: q/k norm, head_dim (32) != hidden / heads (16), tied embeddings, GQA 4:2
+    "qwen3": (Qwen3Config, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                eos_token_id=[1, 2])),
+    # Qwen2: qkv bias, untied embeddings, yarn rope scaling
+    "qwen2": (Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 256})),
+    # Llama: MQA (one KV head), untied, llama3 rope scaling
+    "llama": (LlamaConfig, dict(num_key_value_heads=1, tie_word_embeddings=False, eos_token_id=1,
+                                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+}
+
+
+def build_tiny_model(family: str, path: str, seed: int = 0, **overrides):
+    """Save a tiny random `family` model to `path`; returns the HF model (fp32, eval)."""
+    config_cls, extra = FAMILIES[family]
+    cfg = config_cls(**{**TINY, **extra, **overrides})
+    cfg.architectures = [config_cls.__name__.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids (avoiding the low ids used as EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
