@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from nanovllm.kernels.fused_ops import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -9,15 +11,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        orig_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(orig_dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from nanovllm.kernels.fused_ops import norm_rope
+
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -82,13 +84,12 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1) * attention_factor
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_position, head_dim]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens]; q: [num_tokens, heads, d]; k: [num_tokens, kv_heads, d]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+        """Optional per-head q/k RMSNorm, then rotation.
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, -1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-    return out.to(x.dtype)
+        positions: [num_tokens]; q: [num_tokens, heads, d]; k: [num_tokens, kv_heads, d].
+        """
+        if q_norm is None:
+            return norm_rope(q, k, positions, self.cos_sin_cache)
+        return norm_rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)

@@ -1,0 +1,58 @@
+"""Small fused ops the layers call: RMSNorm (+ residual), q/k norm + RoPE, SiLU-and-mul.
+
+On CUDA tensors they run the Triton kernels of `triton_ops.py`; elsewhere the plain
+torch versions below, which follow HF transformers' arithmetic (float32 inside,
+rounded back to the input dtype).
+"""
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given."""
+    if x.is_cuda and x.dim() == 2:
+        from nanovllm.kernels import triton_ops
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+        return _rms_norm_torch(x, weight, eps), x
+    return _rms_norm_torch(x, weight, eps)
+
+
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+              q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+              eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm of q and k (Qwen3), then RoPE.
+
+    q: [num_tokens, heads, d]; k: [num_tokens, kv_heads, d]; positions: [num_tokens];
+    cos_sin_cache: [max_position, d] float32 (cos | sin halves).
+    """
+    head_dim = q.shape[-1]
+    if q.is_cuda and head_dim & (head_dim - 1) == 0:
+        from nanovllm.kernels import triton_ops
+        return (triton_ops.norm_rope_(q, positions, cos_sin_cache, q_weight, eps),
+                triton_ops.norm_rope_(k, positions, cos_sin_cache, k_weight, eps))
+    if q_weight is not None:
+        q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]"""
+    if x.is_cuda:
+        from nanovllm.kernels import triton_ops
+        return triton_ops.silu_and_mul(x)
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up

@@ -1,0 +1,105 @@
+"""Fused small ops for the GPU path, in Triton: RMSNorm (+ residual add),
+q/k RMSNorm + RoPE, and SiLU-and-mul.
+
+Unfused, each of these is several elementwise kernels per layer; in a decode step
+that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
+inputs once and writes its outputs once. The math matches the torch versions in
+`kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does).
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w * (xf * inv_rms).to(x.dtype)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """x: [num_tokens, hidden] -> out (and the new residual x + residual, when given)."""
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](
+        x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_sin_ptr, pos_ptr, stride_t, stride_h, num_heads, eps,
+                      HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program per token: optional per-head RMSNorm, then rotate-half RoPE, in place."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    base = x_ptr + token * stride_t + heads * stride_h
+    x1 = tl.load(base + dims, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF + dims, mask=mask, other=0.0)
+    if HAS_NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + dims)
+        w2 = tl.load(w_ptr + HALF + dims)
+        x1 = w1 * (f1 * inv_rms[:, None]).to(x1.dtype)
+        x2 = w2 * (f2 * inv_rms[:, None]).to(x2.dtype)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base + dims, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(base + HALF + dims, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+
+
+def norm_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """In place on x: [num_tokens, num_heads, head_dim] (a strided view is fine).
+
+    cos_sin_cache: [max_position, head_dim] float32, cos | sin halves.
+    """
+    num_tokens, num_heads, head_dim = x.shape
+    assert x.stride(2) == 1 and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
+    _norm_rope_kernel[(num_tokens,)](
+        x, weight if weight is not None else x, cos_sin_cache, positions, x.stride(0), x.stride(1),
+        num_heads, eps, HALF=head_dim // 2, HAS_NORM=weight is not None,
+        BLOCK_H=triton.next_power_of_2(num_heads))
+    return x
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    y = (gate / (1 + tl.exp(-gate))).to(up.dtype) * up
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+SILU_BLOCK = 1024  # columns per program
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]"""
+    num_tokens, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, SILU_BLOCK))](
+        x, out, x.stride(0), out.stride(0), d, BLOCK=SILU_BLOCK)
+    return out

@@ -1,0 +1,83 @@
+"""Fused Triton ops (`kernels/triton_ops.py`) against their torch versions.
+
+Runs natively on a GPU (bf16 included). Without one, the file re-runs itself in a
+child process with `TRITON_INTERPRET=1` set from the start (the same scheme as
+test_triton_attn.py: the interpreter must be on before triton is first imported).
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm.kernels import fused_ops
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+RUN_HERE = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="ops run in this process")
+def test_ops_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
+
+
+def _close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm(dtype, hidden):
+    from nanovllm.kernels import triton_ops
+    x = torch.randn(7, hidden, dtype=dtype, device=DEVICE)
+    res = torch.randn(7, hidden, dtype=dtype, device=DEVICE)
+    w = torch.randn(hidden, dtype=dtype, device=DEVICE)
+    _close(triton_ops.rms_norm(x, w, 1e-6), fused_ops._rms_norm_torch(x, w, 1e-6), dtype)
+    out, new_res = triton_ops.rms_norm(x, w, 1e-6, res)
+    _close(new_res, x + res, dtype)
+    _close(out, fused_ops._rms_norm_torch(x + res, w, 1e-6), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_on_strided_views(dtype, with_norm):
+    from nanovllm.kernels import triton_ops
+    tokens, heads, kv_heads, d, max_pos = 5, 4, 2, 32, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=DEVICE)
+    q = qkv[:, :heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    cos_sin = torch.randn(max_pos, d, device=DEVICE)
+    qw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
+    kw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
+    ref_q, ref_k = fused_ops.norm_rope(q.cpu().clone(), k.cpu().clone(), positions.cpu(), cos_sin.cpu(),
+                                       qw.cpu() if with_norm else None, kw.cpu() if with_norm else None)
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    triton_ops.norm_rope_(q, positions, cos_sin, qw, 1e-6)
+    triton_ops.norm_rope_(k, positions, cos_sin, kw, 1e-6)
+    _close(q.cpu(), ref_q, dtype)
+    _close(k.cpu(), ref_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    from nanovllm.kernels import triton_ops
+    x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # spans two column blocks
+    gate, up = x.chunk(2, -1)
+    _close(triton_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
