@@ -7,6 +7,7 @@ Everything a forward pass needs is built in `prepare_*` and published through
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import get_attention_backend
@@ -32,6 +33,7 @@ class ModelRunner:
         self.model = self._load_model(source)
         self.sampler = Sampler()
         self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graph_runner = self._capture_cuda_graphs()
 
     # ---- start-up -------------------------------------------------------------
 
@@ -69,17 +71,41 @@ class ModelRunner:
         return budget // self._kv_bytes_per_block()
 
     def _gpu_num_blocks(self) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of the device after a warm-up at the
+        largest step has shown the peak memory of activations and sampling."""
+        self._warm_up()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        budget = total * self.config.gpu_memory_utilization - used - self._activation_reserve_bytes()
-        return int(budget // self._kv_bytes_per_block())
+        stats = torch.cuda.memory_stats(self.device)
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+        return max(0, int(budget // self._kv_bytes_per_block()))
 
-    def _activation_reserve_bytes(self) -> int:
-        """Room for activations and logits of the largest step."""
-        cfg, tokens = self.model_config, self.config.max_num_batched_tokens
-        per_token = (4 * cfg.hidden_size + 2 * cfg.intermediate_size) * self.dtype.itemsize
-        logits = self.config.max_num_seqs * cfg.vocab_size * 4 * 3
-        return tokens * per_token * 2 + logits
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Run the largest prefill step and sample the largest batch, on a scratch KV cache."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        seq_len = min(num_tokens, self.max_model_len)
+        num_seqs = max(1, num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._attach_kv_cache(num_seqs * blocks_per_seq)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        context = Context(
+            slot_mapping=(tables.view(num_seqs, -1)[:, :1] * self.block_size
+                          + torch.arange(seq_len, device=self.device)).flatten().long(),
+            cu_seqlens_q=torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=self.device),
+            seq_lens_k=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+            block_tables=tables.view(num_seqs, -1), max_seqlen_q=seq_len, max_seqlen_k=seq_len,
+            logits_indices=torch.arange(seq_len - 1, num_seqs * seq_len, seq_len, device=self.device))
+        with set_context(context):
+            self.model.compute_logits(self.model(positions % self.model_config.vocab_size, positions))
+        logits = torch.randn(self.config.max_num_seqs, self.model_config.vocab_size, device=self.device)
+        self.sampler(logits, torch.ones(self.config.max_num_seqs, device=self.device))
+        del logits
+        self._attach_kv_cache(0)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self._num_blocks_to_allocate()
@@ -88,11 +114,20 @@ class ModelRunner:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
                              f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks); "
                              "give it more memory or lower max_model_len")
+        self._attach_kv_cache(num_blocks)
+        return num_blocks
+
+    def _attach_kv_cache(self, num_blocks: int) -> None:
         for attn in self._attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        return num_blocks
+
+    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        return CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                               self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
 
     # ---- one step -------------------------------------------------------------
 
@@ -128,12 +163,17 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
             self.device, non_blocking=True)
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):
+            return self.graph_runner.run(input_ids, positions, context)
+        return self.model(input_ids, positions)
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> list[int | None]:
         """Run one scheduled step; returns the sampled token of each sequence (None: mid-prompt)."""
         input_ids, positions, context, sampling = self.prepare(seqs)
         with set_context(context):
-            hidden = self.model(input_ids, positions)
+            hidden = self._forward(input_ids, positions, context)
             logits = self.model.compute_logits(hidden) if sampling else None
         tokens: list[int | None] = [None] * len(seqs)
         if logits is None:

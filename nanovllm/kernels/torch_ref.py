@@ -37,8 +37,12 @@ def context_slots(block_table: torch.Tensor, seq_len_k: int, block_size: int) ->
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
-                    block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_tables: torch.Tensor, scale: float, *, max_seqlen_q: int | None = None,
+                    max_seqlen_k: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context.
+
+    `max_seqlen_q` / `max_seqlen_k` are the host-known bounds GPU kernels size their
+    grids with; the reference reads the lengths themselves and only checks the bounds.
 
     q:            [num_tokens, num_heads, head_dim]
     cu_seqlens_q: [num_seqs + 1] query offsets into q
@@ -51,6 +55,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
+    assert max_seqlen_q is None or max(b - a for a, b in zip(cu, cu[1:])) <= max_seqlen_q
+    assert max_seqlen_k is None or int(seq_lens_k.max()) <= max_seqlen_k
     for b, seq_len_k in enumerate(seq_lens_k.tolist()):
         start, end = cu[b], cu[b + 1]
         slots = context_slots(block_tables[b], seq_len_k, block_size)

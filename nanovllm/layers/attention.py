@@ -23,5 +23,6 @@ class Attention(nn.Module):
         ctx = get_context()
         self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens_k,
-                                         ctx.block_tables, self.scale)
+                                         ctx.block_tables, self.scale, max_seqlen_q=ctx.max_seqlen_q,
+                                         max_seqlen_k=ctx.max_seqlen_k)
         return o.flatten(1)
