@@ -9,18 +9,22 @@ Rules:
 - a block is free when its reference count is 0, even if it still holds a cached
   prefix; free blocks wait in least-recently-freed order and a cached one is
   evicted (its hash forgotten) only when it is handed out again;
-- a hash hit is confirmed against the stored token ids, so a collision never
-  shares wrong keys and values;
+- a hash hit is confirmed against the stored token ids and the block's parent
+  (the cached block before it, by registration id), so a hash collision never
+  shares wrong keys and values: not another block's tokens, nor the same tokens
+  at another position or after another prefix;
 - a sequence's blocks are freed tail first, so the tail of a prefix is evicted
   before its head.
 """
 from collections import OrderedDict
+from itertools import count
 
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
 
 NO_HASH = -1
+NO_PARENT = -1  # parent id of a sequence's first block
 
 
 def hash_block(token_ids: list[int], prev_hash: int) -> int:
@@ -39,6 +43,8 @@ class Block:
         self.ref_count = 0
         self.hash = NO_HASH             # set while the block is registered in the prefix cache
         self.token_ids: list[int] = []  # the tokens behind `hash`, to confirm hits
+        self.cache_id = NO_PARENT       # unique id of this registration (never reused)
+        self.parent_cache_id = NO_PARENT  # cache_id of the cached block before it
 
 
 class BlockManager:
@@ -49,6 +55,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        self._cache_ids = count()
         self.num_prefix_hit_tokens = 0    # prompt tokens served from the cache, ever
         self.num_prefix_query_tokens = 0  # prompt tokens looked up, ever
 
@@ -78,25 +85,42 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = []
+        hits, parent = [], NO_PARENT
         for i, h in enumerate(self.block_hashes(seq, max_blocks)):
-            block_id = self.hash_to_block_id.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != seq.block(i):
+            block = self._cached_block(h, seq.block(i), parent)
+            if block is None:
                 break
-            hits.append(block_id)
+            hits.append(block.block_id)
+            parent = block.cache_id
         return hits
+
+    def _cached_block(self, h: int, token_ids: list[int], parent: int) -> Block | None:
+        """The block cached under hash `h`, if it holds `token_ids` right after `parent`."""
+        block_id = self.hash_to_block_id.get(h)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != token_ids or block.parent_cache_id != parent:
+            return None  # a hash collision
+        return block
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that are full and computed in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        parent = NO_PARENT
         for i, h in enumerate(self.block_hashes(seq, num_full)):
             block = self.blocks[seq.block_table[i]]
-            if block.hash != NO_HASH or h in self.hash_to_block_id:
-                continue  # already registered, or another block holds the same tokens
-            block.hash, block.token_ids = h, seq.block(i)
-            self.hash_to_block_id[h] = block.block_id
+            if block.hash == NO_HASH and h not in self.hash_to_block_id:
+                block.hash, block.token_ids, block.parent_cache_id = h, seq.block(i), parent
+                block.cache_id = next(self._cache_ids)
+                self.hash_to_block_id[h] = block.block_id
+            # the cached block holding these tokens: this one, or another with the same tokens
+            holder = block if block.hash != NO_HASH else self._cached_block(h, seq.block(i), parent)
+            if holder is None:
+                return  # a colliding block holds hash `h`: nothing after it could be found
+            parent = holder.cache_id
 
     # ---- allocation ---------------------------------------------------------
 
@@ -151,5 +175,6 @@ class BlockManager:
         if block.hash != NO_HASH:  # evict the cached prefix it held
             del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = NO_HASH, []
+            block.cache_id = block.parent_cache_id = NO_PARENT
         block.ref_count = 1
         return block_id
