@@ -109,6 +109,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return  # no block became full since the last call: the common decode step
+        seq.num_registered_blocks = num_full
         parent = NO_PARENT
         for i, h in enumerate(self.block_hashes(seq, num_full)):
             block = self.blocks[seq.block_table[i]]
@@ -160,6 +163,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table.clear()
+        seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
     def _take(self, block_id: int) -> None:

@@ -4,12 +4,14 @@ scheduled step into tensors, runs the forward pass and samples.
 Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
+import numpy as np
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import build_step_inputs
 from nanovllm.kernels import get_attention_backend
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
@@ -132,32 +134,25 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------
 
     def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
-        """Flatten the scheduled tokens of `seqs` into one batch.
+        """Flatten the scheduled tokens of `seqs` into one batch on the device.
 
         Returns input_ids [num_tokens], positions [num_tokens], the attention
         context, and the indices (into `seqs`) of the sequences that sample.
         """
-        input_ids, positions, slots, cu_q, lens_k, sampling = [], [], [], [0], [], []
-        bs = self.block_size
-        for i, seq in enumerate(seqs):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
-            cu_q.append(cu_q[-1] + end - start)
-            lens_k.append(end)
-            if end == seq.num_tokens:
-                sampling.append(i)
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        logits_indices = [cu_q[i + 1] - 1 for i in sampling]
-        t = self._tensor
+        step = build_step_inputs(seqs, self.block_size)
+        t = self._to_device
         context = Context(
-            slot_mapping=t(slots, torch.int64), cu_seqlens_q=t(cu_q, torch.int32),
-            seq_lens_k=t(lens_k, torch.int32), block_tables=t(tables, torch.int32),
-            max_seqlen_q=max(cu_q[i + 1] - cu_q[i] for i in range(len(seqs))), max_seqlen_k=max(lens_k),
-            is_decode_only=cu_q[-1] == len(seqs), logits_indices=t(logits_indices, torch.int64))
-        return t(input_ids, torch.int64), t(positions, torch.int64), context, sampling
+            slot_mapping=t(step.slot_mapping), cu_seqlens_q=t(step.cu_seqlens_q),
+            seq_lens_k=t(step.seq_lens_k), block_tables=t(step.block_tables),
+            max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
+            is_decode_only=step.is_decode_only, logits_indices=t(step.logits_indices))
+        return t(step.input_ids), t(step.positions), context, step.sampling
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(

@@ -34,6 +34,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of full blocks, filled lazily
+        self.num_registered_blocks = 0      # leading full blocks already offered to the prefix cache
         self.num_computed_tokens = 0    # tokens whose K/V are in the cache
         self.num_cached_tokens = 0      # of those, taken from the prefix cache at admission
         self.num_scheduled_tokens = 0   # tokens computed in the current step

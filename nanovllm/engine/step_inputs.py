@@ -1,0 +1,63 @@
+"""The host-side arrays of one step: what `ModelRunner` copies to the device.
+
+Built with numpy from the scheduled sequences. Decode-only steps (one token per
+sequence, the common case in a busy engine) take a short path with no per-token
+loops; the general path handles prefill chunks over cached prefixes too.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray      # [num_tokens] int64
+    positions: np.ndarray      # [num_tokens] int64
+    slot_mapping: np.ndarray   # [num_tokens] int64
+    cu_seqlens_q: np.ndarray   # [num_seqs + 1] int32
+    seq_lens_k: np.ndarray     # [num_seqs] int32
+    block_tables: np.ndarray   # [num_seqs, max_blocks] int32, -1 padded
+    sampling: list[int]        # indices of the sequences whose last token is sampled
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """Rows of the flat batch whose logits are sampled.  # [num_sampled]"""
+        return self.cu_seqlens_q[1:][self.sampling].astype(np.int64) - 1
+
+
+def build_step_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+    q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, len(seqs))
+    ends = starts + q_lens
+    tables = block_tables(seqs)
+    if q_lens.max() == 1:
+        input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, len(seqs))
+        positions = starts
+        rows = np.arange(len(seqs))
+    else:
+        input_ids = np.fromiter((t for s in seqs for t in s.token_ids[s.num_computed_tokens:
+                                 s.num_computed_tokens + s.num_scheduled_tokens]), np.int64, int(q_lens.sum()))
+        rows = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + starts[rows]
+    slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    cu_q = np.zeros(len(seqs) + 1, np.int32)
+    np.cumsum(q_lens, out=cu_q[1:])
+    sampling = [i for i, s in enumerate(seqs) if ends[i] == s.num_tokens]
+    return StepInputs(input_ids, positions, slots, cu_q, ends.astype(np.int32), tables, sampling,
+                      int(q_lens.max()), int(ends.max()))
+
+
+def block_tables(seqs: list[Sequence]) -> np.ndarray:
+    width = max(len(s.block_table) for s in seqs)
+    tables = np.full((len(seqs), width), -1, np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = s.block_table
+    return tables
