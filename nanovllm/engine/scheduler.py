@@ -35,11 +35,18 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        needed = -(-seq.num_tokens // self.block_manager.block_size)
+        """Queue `seq`; ValueError if it could not fit in the whole KV cache even alone."""
+        needed = -(-self._max_kv_tokens(seq) // self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"sequence of {seq.num_tokens} tokens needs {needed} KV blocks, "
+            raise ValueError(f"sequence of {seq.num_tokens} prompt tokens and max_tokens="
+                             f"{seq.sampling_params.max_tokens} needs {needed} KV blocks, "
                              f"but the cache has only {self.block_manager.num_blocks}")
         self.waiting.append(seq)
+
+    @staticmethod
+    def _max_kv_tokens(seq: Sequence) -> int:
+        """Most tokens `seq` will ever hold in the KV cache (the last sampled one is never computed)."""
+        return seq.num_tokens + max((seq.sampling_params.max_tokens or 1) - 1, 0)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -65,6 +72,9 @@ class Scheduler:
                 budget -= self._schedule(seq, num_tokens, scheduled)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._admit_waiting(budget, scheduled)
+        if not scheduled and not self.is_finished():
+            raise RuntimeError(f"no sequence fits in the KV cache ({self.block_manager.num_free_blocks} of "
+                               f"{self.block_manager.num_blocks} blocks free): leaked blocks?")
         return scheduled
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
