@@ -45,9 +45,10 @@ def random_prompts(lengths, vocab_size: int = TINY["vocab_size"], seed: int = 0)
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF reference continuation: plain argmax steps with HF's KV cache, never stopping at EOS."""
-    out = model(torch.tensor([prompt]), use_cache=True)
+    out = model(torch.tensor([prompt], device=model.device), use_cache=True)
     tokens = []
     for _ in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[tokens[-1]]], device=model.device), past_key_values=out.past_key_values,
+                    use_cache=True)
     return tokens

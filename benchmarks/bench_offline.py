@@ -1,0 +1,163 @@
+"""B1: offline throughput, nano-vLLM's bench.py workload (DESIGN.md §5).
+
+seed(0); 256 prompts of randint(0, 10000) ids with lengths randint(100, 1024);
+max_tokens randint(100, 1024) each; temperature 0.6; ignore_eos; max_model_len 4096;
+one warm-up call, then one timed `generate`. Model: the Qwen3-0.6B configuration
+with dummy (random) weights. Prints tok/s, the fraction of the memory roofline
+(bytes that must move over the copy bandwidth measured in the same run), the
+per-step split of wall time into host work and waiting for the GPU, and a final
+JSON line.
+
+    python benchmarks/bench_offline.py                 # B1 on a GPU
+    python benchmarks/bench_offline.py --small         # a tiny smoke run (CPU is fine)
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from random import randint, seed
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    tie_word_embeddings=True, torch_dtype="bfloat16", hidden_act="silu", eos_token_id=151645)
+SMALL = dict(QWEN3_0_6B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, vocab_size=10000)
+COPY_BYTES = 4 << 30  # device-to-device copy used to measure bandwidth
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int):
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def model_dir(cfg: dict) -> str:
+    path = tempfile.mkdtemp(prefix="nanovllm-b1-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 10)."""
+    src = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); dst.copy_(src); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * COPY_BYTES / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
+    """Bytes a decode-only schedule must move: weights once per step (all sequences run
+    together, so steps = the longest max_tokens), every context's K/V read at every
+    step, every new token's K/V written once."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    layer_params = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * cfg["head_dim"]
+    weights = (L * layer_params + h * cfg["vocab_size"] + h) * dtype_bytes
+    kv_per_token = 2 * L * kv * dtype_bytes
+    steps = max(p.max_tokens for p in params)
+    reads = sum(m * len(pr) + m * (m - 1) // 2 for pr, m in zip(prompts, (p.max_tokens for p in params)))
+    writes = sum(len(pr) + p.max_tokens for pr, p in zip(prompts, params))
+    return steps * weights + (reads + writes) * kv_per_token
+
+
+class StepTimer:
+    """Wraps ModelRunner pieces to split each step's wall time: `prepare` (host, building
+    tensors), GPU time from the forward launch to the sampled ids (CUDA events), and the
+    rest (scheduling, postprocessing, outputs: host time the GPU waits for)."""
+
+    def __init__(self, runner):
+        self.steps, self.run_s, self.prepare_s, self.gpu_events = 0, 0.0, 0.0, []
+        self._run, self._prepare, self._forward = runner.run, runner.prepare, runner._forward
+        runner.run, runner.prepare, runner._forward = self._timed_run, self._timed_prepare, self._timed_forward
+        self.cuda = runner.device.type == "cuda"
+
+    def _timed_prepare(self, seqs):
+        start = time.perf_counter()
+        out = self._prepare(seqs)
+        self.prepare_s += time.perf_counter() - start
+        return out
+
+    def _timed_forward(self, *args):
+        if self.cuda:
+            self.gpu_events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            self.gpu_events[-1][0].record()
+        return self._forward(*args)
+
+    def _timed_run(self, seqs):
+        start = time.perf_counter()
+        out = self._run(seqs)  # returns host ints: it waited for the GPU
+        if self.cuda:
+            self.gpu_events[-1][1].record()
+        self.run_s += time.perf_counter() - start
+        self.steps += 1
+        return out
+
+    def gpu_s(self) -> float:
+        torch.cuda.synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.gpu_events) / 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny model and workload (smoke test)")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = ap.parse_args()
+    cfg = SMALL if args.small else QWEN3_0_6B
+    num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
+    prompts, params = workload(num_seqs, max_len, max_len)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size)
+    load_s = time.perf_counter() - t0
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
+    timer = StepTimer(llm.llm_engine.model_runner)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
+    per_step = lambda seconds: round(seconds / timer.steps * 1e3, 3)  # noqa: E731
+    gpu_s = timer.gpu_s() if timer.cuda else 0.0
+    result = {"bench": "B1", "output_tokens": tokens, "seconds": round(elapsed, 3),
+              "tok_per_s": round(tokens / elapsed, 1), "load_s": round(load_s, 2), "steps": timer.steps,
+              "ms_per_step": per_step(elapsed), "gpu_ms_per_step": per_step(gpu_s),
+              "prepare_ms_per_step": per_step(timer.prepare_s),
+              "other_host_ms_per_step": per_step(elapsed - timer.run_s),
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if torch.cuda.is_available():
+        bandwidth = copy_bandwidth()
+        floor_s = roofline_bytes(cfg, prompts, params) / bandwidth
+        result.update(copy_tb_per_s=round(bandwidth / 1e12, 3), roofline_s=round(floor_s, 3),
+                      roofline_tok_per_s=round(tokens / floor_s, 1),
+                      roofline_fraction=round(floor_s / elapsed, 3))
+    print(f"{tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tok/s"
+          + (f" ({result['roofline_fraction']:.0%} of the memory roofline, {result['roofline_s']} s)"
+             if "roofline_s" in result else ""))
+    print(f"per step: {result['ms_per_step']} ms wall; GPU {result['gpu_ms_per_step']} ms (forward launch to "
+          f"sampled ids); host: prepare {result['prepare_ms_per_step']} ms, schedule + postprocess + outputs "
+          f"{result['other_host_ms_per_step']} ms")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The engine on a CUDA GPU: HF parity, CUDA graphs and the scheduling modes (skips without a GPU).
+
+- fp32: greedy ids of tiny random models equal HF transformers' run on the same GPU.
+- bf16: teacher-forced logprobs within BF16_LOGPROB_TOL of HF's bf16 run (both
+  round differently inside, so ids may part after a near-tie; logprobs may not).
+- CUDA-graph replay gives the same ids as eager; prefix caching, chunked prefill and
+  preemption give the same ids as the plain run.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import set_context
+from tiny_models import hf_greedy, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NEW_TOKENS = 32
+BF16_LOGPROB_TOL = 0.15   # max |logprob difference| over all positions, bf16 vs HF bf16
+PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _generate(path, prompts, **kwargs):
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", **kwargs)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [o.outputs[0].token_ids for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(PROMPT_LENGTHS, seed=1)
+
+
+def test_fp32_greedy_matches_hf_on_gpu(tiny_model, family, prompts):
+    path, _ = tiny_model(family)
+    hf_gpu = _hf_on_gpu(path, torch.float32)
+    refs = [hf_greedy(hf_gpu, p, NEW_TOKENS) for p in prompts]
+    for eager in (True, False):
+        ids, _ = _generate(path, prompts, dtype="float32", enforce_eager=eager)
+        assert ids == refs, f"enforce_eager={eager}"
+
+
+@pytest.mark.parametrize("mode", ["prefix_cache", "chunked_prefill", "preemption"])
+def test_modes_match_plain_run_on_gpu(tiny_model, prompts, mode):
+    path, _ = tiny_model("qwen3")
+    plain, _ = _generate(path, prompts, dtype="float32")
+    if mode == "prefix_cache":
+        shared = [prompts[-1][:64] + p for p in prompts]
+        plain, _ = _generate(path, shared, dtype="float32", enable_prefix_caching=False)
+        ids, engine = _generate(path, shared, dtype="float32", max_num_seqs=1)
+        assert engine.block_manager.num_prefix_hit_tokens >= 64 * (len(shared) - 1)
+    elif mode == "chunked_prefill":
+        ids, _ = _generate(path, prompts, dtype="float32", max_num_batched_tokens=16)
+    else:
+        ids, engine = _generate(path, prompts, dtype="float32", num_kvcache_blocks=24, max_model_len=256)
+        assert engine.scheduler.num_preemptions > 0
+    assert ids == plain
+
+
+def _engine_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
+    """Teacher-forced log_softmax of our model's logits at every position.  # [len, vocab]"""
+    engine = llm.llm_engine
+    seq = Sequence(token_ids, GREEDY, engine.config.kvcache_block_size)
+    assert engine.block_manager.allocate_slots(seq, len(token_ids))
+    seq.num_scheduled_tokens = len(token_ids)
+    runner = engine.model_runner
+    try:
+        with torch.inference_mode():
+            input_ids, positions, context, _ = runner.prepare([seq])
+            with set_context(replace(context, logits_indices=None)):
+                logits = runner.model.compute_logits(runner.model(input_ids, positions))
+    finally:
+        engine.block_manager.free(seq)
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_bf16_teacher_forced_logprobs_close_to_hf(tiny_model, family, prompts):
+    path, _ = tiny_model(family)
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16")
+    hf_bf16 = _hf_on_gpu(path, torch.bfloat16)
+    for prompt in prompts:
+        tokens = prompt + hf_greedy(hf_bf16, prompt, NEW_TOKENS)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_bf16(torch.tensor([tokens], device="cuda")).logits[0].float(), -1)
+        ours = _engine_logprobs(llm, tokens)
+        assert (ours - ref).abs().max().item() < BF16_LOGPROB_TOL
+
+
+def _hf_on_gpu(path: str, dtype: torch.dtype):
+    """A fresh HF copy of the saved model (the shared fp32 CPU reference stays untouched)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
