@@ -7,7 +7,7 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):  # None: the embedded default model
         self.llm_engine = LLMEngine(model, **kwargs)
 
     def get_tokenizer(self):

