@@ -1,9 +1,23 @@
-"""LLM: the offline facade. `LLM(model).generate(prompts, params)` as in vLLM."""
+"""LLM: the offline facade, as in vLLM.
+
+    llm = LLM(model)
+    outs = llm.generate(prompts, SamplingParams(...))          # final outputs, prompt order
+    for delta in llm.stream(prompts, params): ...               # what each step added
+    outs = llm.chat([{"role": "user", "content": "Hi"}], params)
+
+`generate` folds the engine's per-step deltas into final outputs, so the
+non-streaming result is exactly the stream folded. One `LLM` drives one call at a
+time: a stream left unfinished is aborted when it is closed or garbage-collected.
+"""
+from typing import Iterator
+
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+Conversation = list[dict]
 
 
 class LLM:
@@ -13,25 +27,80 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at interpreter exit."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for `prompts`; outputs come back in prompt order."""
+                 use_tqdm: bool = True, stream: bool = False) -> list[RequestOutput] | Iterator[RequestOutput]:
+        """Generate completions for `prompts`.
+
+        Returns the final outputs in prompt order; with `stream=True`, an iterator of
+        deltas instead (see `stream`). Raises ValueError, queuing nothing, if any
+        prompt or setting is bad.
+        """
+        if stream:
+            return self.stream(prompts, sampling_params)
+        ids = self._add_all(prompts, sampling_params)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            for deltas in self._steps(ids):
+                for delta in deltas:
+                    if delta.request_id in results:
+                        results[delta.request_id].add(delta)
+                    else:
+                        results[delta.request_id] = RequestOutput.fold(delta)
+                    bar.update(int(delta.finished))
+                bar.set_postfix_str(self._throughput())
+        return [results[i] for i in ids]
+
+    def stream(self, prompts: PromptType | list[PromptType],
+               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Queue `prompts` now and return an iterator of their deltas, step by step.
+
+        Each item is a `RequestOutput` with only what is new for one request (new
+        text, token ids and logprobs of each advanced sample, `.index` telling which);
+        its last item has `finished=True`. Closing the iterator early aborts the
+        requests still running. Raises ValueError at the call (nothing queued) for bad input.
+        """
+        return _flatten(self._steps(self._add_all(prompts, sampling_params)))
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             stream: bool = False) -> list[RequestOutput] | Iterator[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template.
+
+        `messages` is one conversation (a list of {"role", "content"} dicts) or a list
+        of them (a batch). `chat_template_kwargs` go to the template (for example
+        Qwen3's `enable_thinking`). Returns as `generate` does.
+        """
+        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs or {})
+                   for c in _as_conversations(messages)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, stream=stream)
+
+    def _chat_prompt(self, conversation: Conversation, add_generation_prompt: bool, kwargs: dict) -> dict:
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM runs with skip_tokenizer_init=True")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        # The template writes the special tokens (BOS included) itself.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        """Queue every prompt, or none: a bad one aborts those already queued."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        ids = self._add_all(prompts, params)
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-                bar.set_postfix_str(self._throughput())
-        return [finished[i] for i in ids]
-
-    def _add_all(self, prompts: list, params: list[SamplingParams]) -> list[str]:
-        """Queue every prompt, or none: a bad one aborts those already queued."""
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -42,12 +111,32 @@ class LLM:
             raise
         return ids
 
+    def _steps(self, ids: list[str]) -> Iterator[list[RequestOutput]]:
+        """Step the engine until the requests `ids` finish; yields each step's deltas of them."""
+        pending = set(ids)
+        try:
+            while pending and self.llm_engine.has_unfinished_requests():
+                deltas = [d for d in self.llm_engine.step() if d.request_id in pending]
+                pending -= {d.request_id for d in deltas if d.finished}
+                yield deltas
+        finally:  # closed early: stop what still runs
+            for request_id in pending:
+                self.llm_engine.abort(request_id)
+
     def _throughput(self) -> str:
         prefill, decode, seconds = self.llm_engine.last_step_stats
         if seconds <= 0:
             return ""
         kind, n = ("Prefill", prefill) if prefill else ("Decode", decode)
         return f"{kind}: {n / seconds:.0f} tok/s"
+
+
+def _flatten(steps: Iterator[list[RequestOutput]]) -> Iterator[RequestOutput]:
+    try:
+        for deltas in steps:
+            yield from deltas
+    finally:
+        steps.close()  # runs the aborts of `LLM._steps` now, not at garbage collection
 
 
 def _as_prompt_list(prompts) -> list:
@@ -66,3 +155,14 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)
+
+
+def _as_conversations(messages) -> list[Conversation]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists)")
+    conversations = [messages] if isinstance(messages[0], dict) else messages
+    for conversation in conversations:
+        if (not isinstance(conversation, list) or not conversation
+                or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in conversation)):
+            raise ValueError(f"a conversation must be a non-empty list of dicts with a 'role', got {conversation!r}")
+    return conversations

@@ -81,8 +81,9 @@ class BlockManager:
         """Ids of the cached blocks that hold a prefix of `seq` (no side effects).
 
         At least one token is always left to compute, so that the step yields logits.
+        A request for prompt logprobs computes its whole prompt (it needs every position's logits).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits, parent = [], NO_PARENT

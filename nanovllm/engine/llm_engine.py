@@ -1,8 +1,9 @@
 """LLMEngine: wires tokenizer, scheduler, block manager and model runner. No math here.
 
 `add_request` validates and queues a request, `step` runs one scheduled batch and
-returns the outputs of the requests it advanced, `abort` drops a request and frees
-its blocks at once. `generate` drives `step` until every request is done.
+returns what is new for each request it advanced (vLLM's DELTA outputs), `abort`
+drops a request and frees its blocks at once. `LLM` (llm.py) drives `step` for
+scripts: streamed, or with the deltas folded into final outputs.
 """
 import time
 from dataclasses import replace
@@ -10,9 +11,9 @@ from itertools import count
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.distributed import make_model_runner
 from nanovllm.engine.model_source import ModelSource, resolve_model
-from nanovllm.engine.output_processor import OutputProcessor, RequestState
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
@@ -29,14 +30,13 @@ class LLMEngine:
         self.model_config = source.model_config()
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
-        self.model_runner = ModelRunner(self.config, source, self.model_config, self.max_model_len)
+        self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
-        self.output_processor = OutputProcessor(self.tokenizer, self._eos_token_ids(), self.max_model_len)
-        self.requests: dict[str, RequestState] = {}
-        self._request_of_seq: dict[int, str] = {}
+        self.eos_token_ids = self._eos_token_ids()
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
 
@@ -52,34 +52,48 @@ class LLMEngine:
                     sampling_params: SamplingParams | None = None) -> str:
         """Validate and queue one request. Returns its id.
 
+        Args:
+            request_id: a string unique among unfinished requests; None picks one.
+            prompt: text, a list of token ids, or a dict with "prompt" and/or "prompt_token_ids".
+            sampling_params: the request's settings (default: SamplingParams()). With n > 1 the
+                request runs n sequences that share the prompt's KV blocks.
+
         Raises ValueError (and queues nothing) for a bad prompt or settings.
         """
-        request_id = str(next(self._request_counter)) if request_id is None else request_id
-        if request_id in self.requests:
+        request_id = self._new_request_id() if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {request_id!r}")
+        if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params = sampling_params or SamplingParams()
         prompt_text, token_ids = self._tokenize(prompt)
-        params = self._fit_params(token_ids, params)
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(request_id, prompt_text, seq)
-        self._request_of_seq[seq.seq_id] = request_id
+        params = self._fit_params(token_ids, sampling_params or SamplingParams())
+        block_size = self.config.kvcache_block_size
+        seqs = [Sequence(token_ids, self._sample_params(params, i), block_size) for i in range(params.n)]
+        self.scheduler.add(seqs[0])  # raises before anything is queued; the others are the same size
+        for seq in seqs[1:]:
+            self.scheduler.add(seq, prefill_parent=seqs[0])
+        self.output_processor.add_request(request_id, prompt_text, seqs)
+        return request_id
+
+    def _new_request_id(self) -> str:
+        request_id = str(next(self._request_counter))
+        while request_id in self.output_processor:
+            request_id = str(next(self._request_counter))
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            text = prompt.get("prompt")
+            prompt = prompt.get("prompt_token_ids", text)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
+            token_ids = list(prompt)
         else:
             raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         self._check_token_ids(token_ids)
@@ -97,22 +111,43 @@ class LLMEngine:
                              "(room for at least one new token is needed)")
 
     def _fit_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Check `params` against this engine; returns a copy with max_tokens filled in."""
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be <= max_n ({self.config.max_n}), got {params.n}")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init=True")
         room = self.max_model_len - len(token_ids)
-        if params.max_tokens is None:
-            return replace(params, max_tokens=room)
-        if params.max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
-        return params
+        if params.min_tokens > room:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + min_tokens ({params.min_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        return replace(params, max_tokens=params.max_tokens or room)
+
+    def _sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """The params of sample `index` of a request: as vLLM, sample i of a seeded request uses seed + i."""
+        seed = None if params.seed is None else params.seed + index
+        sample_params = replace(params, n=1, seed=seed)
+        sample_params.set_eos_token_ids(self.eos_token_ids)
+        return sample_params
 
     def abort(self, request_id: str) -> None:
-        """Drop a request; its KV blocks are freed at once. Unknown ids are ignored."""
-        state = self.requests.pop(request_id, None)
+        """Drop a request; its KV blocks are freed at once. Unknown or finished ids are ignored."""
+        state = self.output_processor.pop_request(request_id)
         if state is None:
             return
-        del self._request_of_seq[state.seq.seq_id]
-        if not state.seq.is_finished:
-            self.scheduler.finish(state.seq, "abort")
+        for seq_state in state.seqs:
+            if not seq_state.seq.is_finished:
+                self.scheduler.finish(seq_state.seq, "abort")
+
+    def shutdown(self) -> None:
+        """Stop the model runner's worker processes (tensor parallelism); idempotent."""
+        self.model_runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -120,22 +155,24 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for each request that got a token or finished."""
+        """Run one batch; return a delta for each request that got tokens or finished.
+
+        Each `RequestOutput` carries only what is new since that request's previous
+        output (vLLM's RequestOutputKind.DELTA): per advanced sample (`.index`) the new
+        text, token ids and logprobs, and finish_reason/stop_reason once it ends;
+        `prompt_logprobs` come with the request's first output; `finished` is True
+        on the last output of a request.
+        """
         start = time.perf_counter()
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
         num_decode = sum(1 for s in seqs if not s.is_prefilling)
         num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
-        token_ids = self.model_runner.run(seqs)
-        self.scheduler.postprocess(seqs, token_ids, self.output_processor.check_stop)
-        outputs = [self._output_of(seq) for seq, tok in zip(seqs, token_ids) if tok is not None]
+        output = self.model_runner.run(seqs)
+        self.output_processor.record(output)
+        self.scheduler.postprocess(seqs, output.sampled_token_ids, self.output_processor.check_stop)
+        advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
+        outputs = self.output_processor.make_outputs(advanced)
         self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
         return outputs
-
-    def _output_of(self, seq: Sequence) -> RequestOutput:
-        state = self.requests[self._request_of_seq[seq.seq_id]]
-        output = self.output_processor.make_output(state)
-        if output.finished:
-            del self.requests[state.request_id], self._request_of_seq[seq.seq_id]
-        return output

@@ -10,6 +10,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.model_source import ModelSource
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import build_step_inputs
 from nanovllm.kernels import get_attention_backend
@@ -103,7 +104,7 @@ class ModelRunner:
         with set_context(context):
             self.model.compute_logits(self.model(positions % self.model_config.vocab_size, positions))
         logits = torch.randn(self.config.max_num_seqs, self.model_config.vocab_size, device=self.device)
-        self.sampler(logits, torch.ones(self.config.max_num_seqs, device=self.device))
+        self.sampler(logits, SamplingMetadata.worst_case(self.config.max_num_seqs, logits.shape[1], self.device))
         del logits
         self._attach_kv_cache(0)
         torch.cuda.synchronize(self.device)
@@ -164,16 +165,17 @@ class ModelRunner:
         return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """Run one scheduled step; returns the sampled token of each sequence (None: mid-prompt)."""
+    def run(self, seqs: list[Sequence]) -> ModelRunnerOutput:
+        """Run one scheduled step; returns the sampled token of each sequence (None: mid-prompt),
+        with the logprobs and prompt logprobs that sequences asked for."""
         input_ids, positions, context, sampling = self.prepare(seqs)
         with set_context(context):
             hidden = self._forward(input_ids, positions, context)
             logits = self.model.compute_logits(hidden) if sampling else None
-        tokens: list[int | None] = [None] * len(seqs)
-        if logits is None:
-            return tokens
-        temperatures = self._tensor([seqs[i].sampling_params.temperature for i in sampling], torch.float32)
-        for i, token in zip(sampling, self.sampler(logits, temperatures).tolist()):
-            tokens[i] = token
-        return tokens
+        output = ModelRunnerOutput.empty(len(seqs))
+        if logits is not None:  # None on tensor-parallel ranks other than 0
+            sampling_seqs = [seqs[i] for i in sampling]
+            metadata = SamplingMetadata.build(sampling_seqs, self.model_config.vocab_size, logits.device)
+            output.add_samples(sampling, sampling_seqs, self.sampler(logits, metadata))
+        output.prompt_logprobs = compute_prompt_logprobs(seqs, hidden, self.model.lm_head)
+        return output

@@ -33,14 +33,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prefill_parents: dict[int, Sequence] = {}  # seq_id -> sibling whose prompt it waits for
 
-    def add(self, seq: Sequence) -> None:
-        """Queue `seq`; ValueError if it could not fit in the whole KV cache even alone."""
+    def add(self, seq: Sequence, prefill_parent: Sequence | None = None) -> None:
+        """Queue `seq`; ValueError if it could not fit in the whole KV cache even alone.
+
+        `prefill_parent` (n > 1): a sibling with the same prompt; `seq` is admitted only once
+        that prompt is computed, so it takes the prompt's blocks from the prefix cache.
+        """
         needed = -(-self._max_kv_tokens(seq) // self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"sequence of {seq.num_tokens} prompt tokens and max_tokens="
                              f"{seq.sampling_params.max_tokens} needs {needed} KV blocks, "
                              f"but the cache has only {self.block_manager.num_blocks}")
+        if prefill_parent is not None and self.block_manager.enable_prefix_caching:
+            self._prefill_parents[seq.seq_id] = prefill_parent
         self.waiting.append(seq)
 
     @staticmethod
@@ -91,6 +98,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[Sequence]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._parent_prefilled(seq):
+                break  # its sibling's prompt is still being computed
             num_new = seq.num_uncomputed_tokens - self._cached_tokens(seq)
             num_tokens = min(num_new, budget)
             if not self.block_manager.allocate_slots(seq, num_tokens):
@@ -99,6 +108,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._schedule(seq, num_tokens, scheduled)
+
+    def _parent_prefilled(self, seq: Sequence) -> bool:
+        parent = self._prefill_parents.get(seq.seq_id)
+        if parent is not None and not (parent.is_finished or parent.num_completion_tokens > 0):
+            return False
+        self._prefill_parents.pop(seq.seq_id, None)
+        return True
 
     def _cached_tokens(self, seq: Sequence) -> int:
         return len(self.block_manager.find_cached_blocks(seq)) * self.block_manager.block_size
@@ -147,4 +163,5 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self._prefill_parents.pop(seq.seq_id, None)
         seq.finish(reason)

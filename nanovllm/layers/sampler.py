@@ -1,16 +1,149 @@
-"""Sampler: turns the logits of a batch into next tokens, as batched tensor ops."""
+"""Sampler: turns the logits of a batch into next tokens, as batched tensor ops.
+
+Every transform is a small pure function over the whole batch, applied in vLLM's
+order: raw logprobs (kept for the `logprobs` option) -> banned tokens (min_tokens)
+-> penalties -> [greedy argmax] -> temperature -> min_p -> top_k -> top_p ->
+random draw. Rows whose option is off get a neutral value (top_k = vocab,
+top_p = 1, min_p = 0), so requests with different options share one batch; an
+option no row uses is skipped (its tensor is None), and an all-greedy batch is
+one argmax.
+
+The random draw is the Gumbel-max trick in exponential form: argmax(p / E) with
+E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
+seeded per (request seed, position), so their draws depend on nothing else in
+the batch; the other rows share one batched draw from the global RNG.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+if TYPE_CHECKING:  # sampling_metadata imports this module
+    from nanovllm.engine.sampling_metadata import SamplingMetadata
+
+# Exp(1) draws are clamped away from 0: p / 0 would be inf (or NaN for a masked
+# token, which argmax would pick).
+MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class LogprobsTensors:
+    """Raw logprobs of one token per row: column 0 is the chosen token, then the top k."""
+    token_ids: torch.Tensor  # [num_rows, 1 + k] int64
+    logprobs: torch.Tensor   # [num_rows, 1 + k] float32
+    ranks: torch.Tensor      # [num_rows] int64, rank of column 0's token (1 = most likely)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor           # [num_seqs] int64
+    logprobs: LogprobsTensors | None  # when some row asked for logprobs
+
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        """logits: [num_seqs, vocab]; temperatures: [num_seqs] (0 = greedy) -> token ids [num_seqs]"""
+    def __init__(self):
+        super().__init__()
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [num_seqs, vocab] -> the sampled token of each row (and its logprobs)."""
         logits = logits.float()
-        greedy = logits.argmax(-1)
-        if bool((temperatures == 0).all()):
-            return greedy
-        probs = torch.softmax(logits / temperatures.clamp_min(1e-5).unsqueeze(1), -1)
-        # Gumbel-max in its exponential form: argmax p / E with E ~ Exp(1) samples from p.
-        sampled = probs.div_(torch.empty_like(probs).exponential_(1)).argmax(-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+        raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, -1)
+        if metadata.banned_tokens is not None:
+            logits = apply_banned_tokens(logits, *metadata.banned_tokens)
+        if metadata.output_counts is not None:
+            logits = apply_penalties(logits, metadata)
+        token_ids = self.sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.max_num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(-1)
+        greedy = None if metadata.all_random else logits.argmax(-1)
+        logits = logits / metadata.temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        if metadata.top_p is not None:
+            logits = apply_top_p(logits, metadata.top_p)
+        sampled = self.random_sample(torch.softmax(logits, -1), metadata.seeds)
+        return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
+
+    def random_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
+        """probs: [num_seqs, vocab]; seeds: row -> seed of its draw -> token ids [num_seqs]."""
+        q = torch.empty_like(probs)
+        if len(seeds) < probs.shape[0]:
+            q.exponential_()  # unseeded rows: one draw from the global RNG
+        generator = self._generator(probs.device)
+        for row, seed in seeds.items():
+            generator.manual_seed(seed)
+            q[row].exponential_(generator=generator)
+        return probs.div_(q.clamp_min_(MIN_EXPONENTIAL)).argmax(-1)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
+
+
+def apply_banned_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Mask (rows[i], cols[i]) to -inf: stop tokens of sequences still below min_tokens."""
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    counts = metadata.output_counts                          # [num_seqs, vocab]
+    seen = metadata.prompt_mask | (counts > 0)               # [num_seqs, vocab]
+    rep = metadata.repetition_penalties.unsqueeze(1)         # [num_seqs, 1]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - metadata.frequency_penalties.unsqueeze(1) * counts
+    return logits - metadata.presence_penalties.unsqueeze(1) * (counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    probs = torch.softmax(logits, -1)                                  # [num_seqs, vocab]
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)      # [num_seqs, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties with the k-th are kept, as in HF).
+
+    top_k: [num_seqs], the vocabulary size where off; max_top_k: the largest k of a row that uses it.
+    """
+    vocab_size = logits.shape[-1]
+    values = logits.topk(max_top_k, -1).values                          # [num_seqs, max_top_k]
+    kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))  # [num_seqs, 1]
+    kth = kth.masked_fill((top_k >= vocab_size).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(-1)                             # ascending
+    cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)           # [num_seqs, vocab]
+    drop = cumulative <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False                                                # always keep the top token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """logprobs: [num_rows, vocab]; token_ids: [num_rows] -> their logprobs, ranks and the top k."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))                # [num_rows, 1]
+    ranks = (logprobs > chosen).sum(-1) + 1                            # [num_rows]
+    top = logprobs.topk(k, -1)                                         # [num_rows, k]
+    ids = torch.cat([token_ids.unsqueeze(1), top.indices], 1)
+    return LogprobsTensors(ids, torch.cat([chosen, top.values], 1), ranks)

@@ -1,0 +1,197 @@
+"""The sampler's inputs and outputs, translated between sequences and tensors.
+
+`SamplingMetadata.build(seqs, ...)` turns the SamplingParams and token histories
+of one step's sampling sequences into batched tensors (one row per sequence);
+an option that no row uses stays None, so the sampler skips it.
+`ModelRunnerOutput` carries the results back as plain Python values keyed by
+sequence: the sampled tokens, their logprobs, and prompt logprobs.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import LogprobsTensors, SamplerOutput, gather_logprobs
+from nanovllm.sampling_params import MAX_LOGPROBS
+
+_MASK64 = (1 << 64) - 1
+
+# One position's logprobs: token ids (the chosen one first, then the top k),
+# their logprobs, and the chosen token's rank.
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+def step_seed(seed: int, position: int) -> int:
+    """Seed of a seeded request's draw for the token at `position` (splitmix64 of both).
+
+    It depends on nothing else, so a rerun, other requests in the batch, or a
+    preemption and recompute never change the request's draws.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass
+class SamplingMetadata:
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None = None   # [num_seqs] float32 (1.0 on greedy rows)
+    is_greedy: torch.Tensor | None = None     # [num_seqs] bool
+    top_k: torch.Tensor | None = None         # [num_seqs] int64 (vocab size where off)
+    max_top_k: int = 0
+    top_p: torch.Tensor | None = None         # [num_seqs] float32 (1.0 where off)
+    min_p: torch.Tensor | None = None         # [num_seqs] float32 (0.0 where off)
+    seeds: dict[int, int] = field(default_factory=dict)  # row -> seed of this step's draw
+    output_counts: torch.Tensor | None = None  # [num_seqs, vocab] float32, occurrences in the output
+    prompt_mask: torch.Tensor | None = None    # [num_seqs, vocab] bool, token is in the prompt
+    repetition_penalties: torch.Tensor | None = None  # [num_seqs] float32
+    frequency_penalties: torch.Tensor | None = None   # [num_seqs] float32
+    presence_penalties: torch.Tensor | None = None    # [num_seqs] float32
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    max_num_logprobs: int | None = None        # largest `logprobs` of a row; None: no row wants them
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        params = [seq.sampling_params for seq in seqs]
+        greedy = [p.greedy for p in params]
+        metadata = cls(all_greedy=all(greedy), all_random=not any(greedy))
+        if not metadata.all_greedy:
+            metadata._add_random(seqs, vocab_size, device)
+        if any(p.has_penalties for p in params):
+            metadata._add_penalties(seqs, vocab_size, device)
+        metadata.banned_tokens = _banned_tokens(seqs, device)
+        metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        return metadata
+
+    @classmethod
+    def worst_case(cls, num_seqs: int, vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        """Every option on in every row: a start-up warm-up with it shows the sampler's peak memory."""
+        def full(value, dtype=torch.float32):
+            return torch.full((num_seqs,), value, dtype=dtype, device=device)
+        zeros = torch.zeros(num_seqs, vocab_size, device=device)
+        return cls(all_greedy=False, all_random=False, temperature=full(0.5), is_greedy=full(False, torch.bool),
+                   top_k=full(vocab_size - 1, torch.int64), max_top_k=vocab_size - 1, top_p=full(0.9),
+                   min_p=full(0.01), output_counts=zeros, prompt_mask=zeros.bool(), repetition_penalties=full(1.1),
+                   frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS)
+
+    def _add_random(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
+        params = [seq.sampling_params for seq in seqs]
+        greedy = [p.greedy for p in params]
+        self.temperature = _tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                   torch.float32, device)
+        self.is_greedy = _tensor(greedy, torch.bool, device)
+        top_k = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        if any(k < vocab_size for k in top_k):
+            self.top_k = _tensor(top_k, torch.int64, device)
+            self.max_top_k = max(k for k in top_k if k < vocab_size)
+        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        if any(p < 1.0 for p in top_p):
+            self.top_p = _tensor(top_p, torch.float32, device)
+        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        if any(p > 0.0 for p in min_p):
+            self.min_p = _tensor(min_p, torch.float32, device)
+        self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
+                      if seq.sampling_params.seed is not None and not greedy[row]}
+
+    def _add_penalties(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
+        params = [seq.sampling_params for seq in seqs]
+        penalized = [p.has_penalties for p in params]
+        prompts = [seq.prompt_token_ids if on else [] for seq, on in zip(seqs, penalized)]
+        outputs = [seq.completion_token_ids if on else [] for seq, on in zip(seqs, penalized)]
+        prompt_ids = _padded(prompts, vocab_size, device)   # [num_seqs, max_prompt_len]
+        output_ids = _padded(outputs, vocab_size, device)   # [num_seqs, max_output_len]
+        # One extra column takes the padding, then is cut off.
+        mask = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device)
+        self.prompt_mask = mask.scatter_(1, prompt_ids, True)[:, :vocab_size]
+        counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
+        ones = torch.ones(output_ids.shape, dtype=torch.float32, device=device)
+        self.output_counts = counts.scatter_add_(1, output_ids, ones)[:, :vocab_size]
+        self.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32, device)
+        self.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32, device)
+        self.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32, device)
+
+
+def _banned_tokens(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """min_tokens: the stop tokens (EOS, stop_token_ids) of rows that have not reached it."""
+    rows, cols = [], []
+    for row, seq in enumerate(seqs):
+        params = seq.sampling_params
+        if seq.num_completion_tokens < params.min_tokens:
+            stop_ids = sorted(params.all_stop_token_ids)
+            rows += [row] * len(stop_ids)
+            cols += stop_ids
+    if not rows:
+        return None
+    return _tensor(rows, torch.int64, device), _tensor(cols, torch.int64, device)
+
+
+def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(map(len, lists)))
+    return _tensor([x + [pad] * (width - len(x)) for x in lists], torch.int64, device)
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+# ---- results back to sequences ------------------------------------------------
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: list[int | None]   # per scheduled sequence; None: it is mid-prompt
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> sampled token's
+    # seq_id -> (prompt index of the first entry, one entry per prompt token from there)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, num_seqs: int) -> "ModelRunnerOutput":
+        return cls([None] * num_seqs)
+
+    def add_samples(self, rows: list[int], seqs: list[Sequence], output: SamplerOutput) -> None:
+        """Record the sampler's output for `seqs`, which are scheduled rows `rows`."""
+        for row, token_id in zip(rows, output.token_ids.tolist()):
+            self.sampled_token_ids[row] = token_id
+        if output.logprobs is None:
+            return
+        for seq, entry in zip(seqs, _to_lists(output.logprobs)):
+            k = seq.sampling_params.logprobs
+            if k is not None:
+                self.logprobs[seq.seq_id] = (entry[0][:k + 1], entry[1][:k + 1], entry[2])
+
+
+def _to_lists(t: LogprobsTensors) -> list[TokenLogprobs]:
+    return list(zip(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()))
+
+
+def compute_prompt_logprobs(seqs: list[Sequence], hidden: torch.Tensor,
+                            lm_head) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+    """Logprobs of the prompt tokens computed this step, for sequences that asked for them.
+
+    hidden: [num_tokens, hidden_size], the step's flat batch (sequences in order,
+    `num_scheduled_tokens` rows each). The row at prompt position p predicts token p + 1.
+    """
+    rows, targets, owners, offset = [], [], [], 0
+    for seq in seqs:
+        start, k = seq.num_computed_tokens, seq.sampling_params.prompt_logprobs
+        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+        if k is not None and end > start:
+            rows += range(offset, offset + end - start)
+            targets += seq.token_ids[start + 1:end + 1]
+            owners.append((seq, start + 1, end - start, k))
+        offset += seq.num_scheduled_tokens
+    if not rows:
+        return {}
+    logits = lm_head(hidden[torch.tensor(rows, device=hidden.device)])  # [num_rows, vocab]
+    if logits is None:  # a tensor-parallel rank other than 0
+        return {}
+    max_k = max(owner[3] for owner in owners)
+    entries = _to_lists(gather_logprobs(torch.log_softmax(logits.float(), -1),
+                                        torch.tensor(targets, device=logits.device), max_k))
+    result, i = {}, 0
+    for seq, first, count, k in owners:
+        result[seq.seq_id] = (first, [(ids[:k + 1], lps[:k + 1], rank) for ids, lps, rank in entries[i:i + count]])
+        i += count
+    return result
