@@ -43,19 +43,20 @@ RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
 # ----------------------------------------------------------------------------- tiles
 # Tile shapes. Prefill tiles are large in M (queries x grouped heads) to feed the
 # matrix units; decode tiles hold one query token per sequence, so M is only the
-# group of query heads (padded to the 16 rows tl.dot needs).
+# group of query heads (padded to the 16 rows tl.dot needs). The values were chosen
+# by measurement on an H200 (`benchmarks/bench_kernels.py --tune`; NOTES_kernels.md).
 PREFILL_BLOCK_M = 128   # rows of a prefill tile: query tokens x heads of one group
-PREFILL_BLOCK_N = 64    # keys per KV tile in prefill
-PREFILL_NUM_WARPS = 8
-PREFILL_NUM_STAGES = 3  # K/V tiles in flight (software pipelining)
-DECODE_BLOCK_N = 64     # keys per KV tile in decode
+PREFILL_BLOCK_N = 32    # keys per KV tile in prefill
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 4  # K/V tiles in flight (software pipelining)
+DECODE_BLOCK_N = 128    # keys per KV tile in decode
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
 # segments shorter than MIN_KEYS_PER_SPLIT keys, and never into more than MAX_SPLITS.
-TARGET_PROGRAMS_PER_SM = 4
+TARGET_PROGRAMS_PER_SM = 2
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
@@ -127,19 +128,29 @@ def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
     """Gather the cache rows of `positions` through the block table.  # [BLOCK_N, HEAD_DIM_PAD]
 
     Positions at or past `ctx_len` (MASKED tiles only) read 0, never the cache: slots
-    outside the context may hold anything, NaN included.
+    outside the context may hold anything, NaN included. Masks are built only where
+    needed: a mask the compiler cannot prove uniform would stop 16-byte loads.
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (dims < HEAD_DIM)[None, :]                 # [1, HEAD_DIM_PAD]
     if MASKED:
         pos_ok = positions < ctx_len
         block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
-        mask = mask & pos_ok[:, None]
     else:  # the caller passes context positions only
         block = tl.load(block_table_ptr + positions // PAGE_SIZE)
     row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
                 + kv_head * stride_h)                 # [BLOCK_N]
-    return tl.load(cache_ptr + row_offs[:, None] + dims[None, :], mask=mask, other=0.0)
+    ptrs = cache_ptr + row_offs[:, None] + dims[None, :]
+    if HEAD_DIM == HEAD_DIM_PAD:
+        if MASKED:
+            tile = tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        mask = (dims < HEAD_DIM)[None, :]
+        if MASKED:
+            mask = mask & pos_ok[:, None]
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit

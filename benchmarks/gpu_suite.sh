@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU suite: the checks that only a GPU can run, one python invocation each.
+# Each step's log goes to $OUT/<step>.log (or /tmp/nanovllm-gpu-suite/ if OUT is unset);
+# the suite runs every step and exits non-zero if any failed.
+# Append new steps as `step NAME COMMAND...` lines at the end.
+# Extra arguments for bench_kernels.py: BENCH_KERNELS_ARGS (e.g. "--tune").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR="${OUT:-/tmp/nanovllm-gpu-suite}"
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python3}"
+failed=0
+
+step() {
+    local name=$1; shift
+    echo "=== $name: $*"
+    "$@" 2>&1 | tee "$LOG_DIR/$name.log" || { echo "=== $name FAILED"; failed=1; }
+}
+
+step test_triton_attn "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
+step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
+
+exit $failed
