@@ -21,13 +21,18 @@ from nanovllm.models.registry import get_model_class
 from nanovllm.utils.context import Context, set_context
 from nanovllm.utils.device import resolve_device, resolve_dtype
 from nanovllm.utils.loader import load_dummy_weights, load_named_weights
+from nanovllm.utils.parallel import min_over_ranks, tensor_parallel
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB when neither a block count nor a budget is given
 
 
 class ModelRunner:
-    def __init__(self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int,
+                 rank: int = 0):
+        """`rank`: this runner's tensor-parallel rank; with tensor_parallel_size > 1 the caller
+        (nanovllm/distributed) has already joined this process to the process group."""
         self.config = config
+        self.rank, self.tp_size = rank, config.tensor_parallel_size
         self.model_config = model_config
         self.max_model_len = max_model_len
         self.block_size = config.kvcache_block_size
@@ -45,7 +50,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), tensor_parallel(self.rank, self.tp_size):
                 model = get_model_class(self.model_config.architecture)(
                     self.model_config, self.max_model_len)
         finally:
@@ -111,7 +116,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     def _allocate_kv_cache(self) -> int:
-        num_blocks = self._num_blocks_to_allocate()
+        num_blocks = min_over_ranks(self._num_blocks_to_allocate(), self.tp_size, self.device)
         needed = -(-self.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
@@ -131,6 +136,9 @@ class ModelRunner:
             return None
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
+
+    def shutdown(self) -> None:
+        """Nothing to stop on one rank (nanovllm/distributed stops a tensor-parallel group)."""
 
     # ---- one step -------------------------------------------------------------
 

@@ -2,14 +2,15 @@
 
 The vocabulary is padded up to a multiple of the tensor-parallel size; each rank
 holds a contiguous range of rows. Padded rows are zero in the embedding and are
-cut from the logits.
+cut from the logits. With tied embeddings the LM head shares the embedding's
+shard, so each rank still holds one copy of its rows only.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import read_shard
-from nanovllm.utils.parallel import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.utils.parallel import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,9 +24,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        size = min(self.shard_size, self.vocab_size - self.vocab_start)
+        size = max(min(self.shard_size, self.vocab_size - self.vocab_start), 0)  # 0: all padding
         param.data.zero_()
-        param.data[:size].copy_(read_shard(loaded, 0, self.vocab_start, size))
+        if size:
+            param.data[:size].copy_(read_shard(loaded, 0, self.vocab_start, size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -41,9 +43,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] (on rank 0; None elsewhere)."""
         logits = F.linear(hidden, self.weight)  # [num_rows, shard_size]
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            torch.distributed.gather(logits, parts, 0)
-            if self.tp_rank != 0:
+            parts = gather_to_rank0(logits, self.tp_rank, self.tp_size)
+            if parts is None:
                 return None
-            logits = torch.cat(parts, -1)
+            logits = torch.cat(parts, -1)  # [num_rows, shard_size * tp_size]: padded vocab
         return logits[:, :self.vocab_size]
