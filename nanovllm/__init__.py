@@ -1,7 +1,8 @@
 """nano-vLLM: a fast, small, readable LLM inference engine."""
+from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

@@ -1,0 +1,360 @@
+"""AsyncLLM: the engine loop in its own thread, for servers and other asyncio code.
+
+One background thread owns the `LLMEngine`. It adds and aborts requests and runs
+`step()` while any request is unfinished, so every live request, whenever it
+arrived, joins the same continuous batch. Callers live on one asyncio event loop:
+
+    stream = await llm.add_request("req-1", "Hello", SamplingParams(max_tokens=8))
+    async for out in stream:          # each step's new tokens (vLLM's DELTA outputs)
+        print(out.outputs[0].text, end="")
+
+or `async for out in llm.generate(prompt, params)`. Leaving the loop early (a
+client that disconnects, a cancelled task) aborts the request, which frees its KV
+blocks at the engine's next loop turn, at most one step later.
+
+Threading rule: only the engine thread touches the engine, its tokenizer included.
+The event loop sends it commands (plain callables) through a queue and gets each
+step's outputs back through `loop.call_soon_threadsafe`. The event loop has its own
+copy of the tokenizer (`AsyncLLM.tokenizer`): HF fast tokenizers raise "Already
+borrowed" when one thread encodes while another decodes with the same object.
+
+Faults: an exception inside `step()` fails every in-flight request with
+`EngineDeadError`, aborts them (freeing their blocks where the engine's state still
+allows it) and marks the engine dead: `is_healthy` turns False, new requests are
+refused with `EngineDeadError`.
+"""
+import asyncio
+import concurrent.futures
+import copy
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from nanovllm.engine.llm_engine import LLMEngine, PromptType
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+# As vLLM: often enough to watch a server work, rarely enough not to flood its log.
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+# An idle engine thread wakes this often to write the throughput line and notice
+# a stop request that raced with its wait.
+IDLE_POLL_S = 0.5
+# How long `shutdown` waits for the engine thread to finish its current step.
+SHUTDOWN_JOIN_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed (or was shut down); no request can run any more."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of `RequestOutput` deltas.
+
+    Iteration ends after the output with `finished=True`; an engine fault raises
+    `EngineDeadError` from the iterator. `abort()` (also called when an
+    `AsyncLLM.generate` loop is left early) stops the request if it is still running.
+    """
+
+    def __init__(self, request_id: str, abort: Callable[[str], None]):
+        self.request_id = request_id
+        self.finished = False
+        self._abort = abort
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; safe to call twice."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+class AsyncLLM:
+    """An `LLMEngine` driven by a background thread; see the module docstring.
+
+    Args:
+        model: an HF directory or a .gguf file; None for the engine's default model.
+        log_stats_interval: seconds between throughput lines in the log (0: never).
+        **engine_kwargs: `LLMEngine` settings (`max_model_len`, `max_num_seqs`, ...).
+    """
+
+    def __init__(self, model: str | None = None, *,
+                 log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S, **engine_kwargs):
+        engine = LLMEngine(model, **engine_kwargs) if model is not None else LLMEngine(**engine_kwargs)
+        self._start(engine, log_stats_interval)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine,
+                    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S) -> "AsyncLLM":
+        """Wrap an engine built elsewhere; the caller must not touch it afterwards."""
+        self = cls.__new__(cls)
+        self._start(engine, log_stats_interval)
+        return self
+
+    def _start(self, engine: LLMEngine, log_stats_interval: float) -> None:
+        if log_stats_interval < 0:
+            raise ValueError(f"log_stats_interval must be >= 0, got {log_stats_interval}")
+        self.engine = engine
+        self.started_at = time.time()
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the event loop's own copy
+        self.dead_error: EngineDeadError | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}      # event-loop side
+        self._live_ids: set[str] = set()                  # engine-thread side
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._throughput = ThroughputLog(log_stats_interval)
+        self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side --------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          sampling_params: SamplingParams) -> RequestStream:
+        """Queue a request in the engine and return its stream.
+
+        Raises ValueError (nothing queued) for a bad prompt or settings, and
+        EngineDeadError once the engine has failed or shut down.
+        """
+        self._check_alive()
+        self._bind_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self.abort)
+        self._streams[request_id] = stream
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: self._add_in_engine(request_id, prompt, sampling_params, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BaseException:  # refused, or the caller was cancelled while waiting
+            self._streams.pop(request_id, None)
+            self._submit(lambda: self._abort_in_engine(request_id))
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs; leaving the loop early aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); never blocks."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+        self._submit(lambda: self._abort_in_engine(request_id))
+
+    def run_in_engine(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps; returns its future."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: _complete(done, fn, self.engine))
+        return done
+
+    def shutdown(self) -> None:
+        """Abort every request, stop the engine thread and wait for it."""
+        if self.dead_error is None:
+            self.dead_error = EngineDeadError("the engine is shutting down")
+        num_aborted = len(self._streams)
+        self._fail_streams(self.dead_error)
+        self._commands.put(None)
+        self._thread.join(SHUTDOWN_JOIN_S)
+        logger.info("engine stopped; %d unfinished request(s) aborted", num_aborted)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("AsyncLLM serves one event loop at a time")
+            self._loop = loop
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while its step ran
+            stream.put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+
+    def _fail_streams(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)
+
+    # ---- engine-thread side -----------------------------------------------------
+
+    def _add_in_engine(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                       accepted: concurrent.futures.Future) -> None:
+        if not accepted.set_running_or_notify_cancel():
+            return  # the caller went away while waiting; its abort command follows
+        if self.dead_error is not None:
+            accepted.set_exception(self.dead_error)
+            return
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:  # ValueError for bad input; passed on as it is
+            accepted.set_exception(e)
+            return
+        self._live_ids.add(request_id)
+        accepted.set_result(request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        if request_id in self._live_ids:
+            self._live_ids.discard(request_id)
+            self.engine.abort(request_id)
+
+    def _run_engine_loop(self) -> None:
+        while True:
+            busy = self.dead_error is None and self.engine.has_unfinished_requests()
+            if not self._run_commands(block=not busy):
+                break
+            if self.dead_error is None and self.engine.has_unfinished_requests():
+                self._step()
+            self._throughput.maybe_log(self.engine)
+        self._abort_all_in_engine()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting a little for one if `block`); False on stop."""
+        try:
+            command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while command is not None:
+            _run_logged(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._die(e)
+            return
+        self._throughput.record(self.engine, outputs)
+        for output in outputs:
+            if output.finished:
+                self._live_ids.discard(output.request_id)
+        if outputs:
+            self._call_in_loop(self._deliver, outputs)
+
+    def _die(self, error: Exception) -> None:
+        logger.exception("engine step failed; failing %d in-flight request(s)", len(self._live_ids))
+        self.dead_error = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+        self._abort_all_in_engine()
+        self._call_in_loop(self._fail_streams, self.dead_error)
+
+    def _abort_all_in_engine(self) -> None:
+        for request_id in list(self._live_ids):
+            try:
+                self._abort_in_engine(request_id)
+            except Exception:  # the engine's state may be broken after a fault
+                logger.exception("could not abort request %s", request_id)
+
+    def _call_in_loop(self, fn: Callable, *args) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+class ThroughputLog:
+    """The periodic throughput line: prompt and generation tokens/s, queue and cache state."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last_log = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def record(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        stats = getattr(engine, "last_step_stats", None)
+        self.num_prompt_tokens += stats[0] if stats else 0
+        self.num_generation_tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+    def maybe_log(self, engine: LLMEngine) -> None:
+        now = time.monotonic()
+        elapsed = now - self.last_log
+        if self.interval_s == 0 or elapsed < self.interval_s:
+            return
+        if self.num_prompt_tokens or self.num_generation_tokens or engine.has_unfinished_requests():
+            logger.info("%s", throughput_line(engine, self.num_prompt_tokens / elapsed,
+                                              self.num_generation_tokens / elapsed))
+        self.last_log, self.num_prompt_tokens, self.num_generation_tokens = now, 0, 0
+
+
+def throughput_line(engine: LLMEngine, prompt_tps: float, generation_tps: float) -> str:
+    bm, sched = engine.block_manager, engine.scheduler
+    usage = 1 - bm.num_free_blocks / bm.num_blocks
+    queries = getattr(bm, "num_prefix_query_tokens", 0)
+    hit_rate = getattr(bm, "num_prefix_hit_tokens", 0) / queries if queries else 0.0
+    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
+            f"Running: {len(sched.running)} reqs, Waiting: {len(sched.waiting)} reqs, "
+            f"KV cache usage: {usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
+
+
+def _run_logged(command: Callable[[], None]) -> None:
+    """Run one command; a failing command is logged and never stops the engine thread."""
+    try:
+        command()
+    except Exception:
+        logger.exception("engine command failed")
+
+
+def _complete(future: concurrent.futures.Future, fn: Callable, *args) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)

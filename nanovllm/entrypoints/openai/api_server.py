@@ -1,0 +1,337 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) on an `AsyncLLM`.
+
+    nanovllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+    python -m nanovllm.entrypoints.openai.api_server [MODEL] ...
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize;
+GET /v1/models (these five need the API key when --api-key is set), /health,
+/version, /metrics (open). Bodies are read with a size cap (413), must be JSON
+objects (400) and are validated before the engine sees them (protocol.py).
+A client that disconnects aborts its requests at once, streaming or not.
+SIGTERM stops accepting connections, lets in-flight requests finish for up to
+--shutdown-timeout seconds, aborts the rest and exits.
+
+fastapi and uvicorn are imported only when the server is built, so `add_cli_args`
+works (for `nanovllm --help`) without them.
+"""
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import typing
+from contextlib import asynccontextmanager
+from dataclasses import MISSING, fields
+
+from nanovllm.config import DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_response, install_error_handlers
+from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
+                                                  parse_detokenize_request, parse_tokenize_request)
+
+logger = logging.getLogger("nanovllm")
+
+DEFAULT_HOST = "127.0.0.1"      # loopback only unless asked: never expose a model by accident
+DEFAULT_PORT = 8000             # vLLM's
+# Generous for any legitimate request: a 32k-token prompt sent as token ids is about 250 KB.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
+ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS}
+ENGINE_ARG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"]}
+ENGINE_ARG_HELP = {
+    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's",
+    "max_num_seqs": "most sequences in one step's batch",
+    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill splits longer prompts)",
+    "tensor_parallel_size": "number of tensor-parallel ranks",
+    "dtype": "weight and activation dtype; auto picks by device",
+    "enforce_eager": "disable CUDA graphs",
+    "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
+}
+
+
+# ---- command line ---------------------------------------------------------------------
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the server's and the engine's flags to `parser` (for `nanovllm serve`)."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="an HF model directory or a .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind; 0 picks a free one "
+                        f"(default {DEFAULT_PORT})")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API routes")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="model name(s) clients use; the first is reported (default: the model argument)")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file (default: the tokenizer's template)")
+    server.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies are refused with 413")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    server.add_argument("--log-stats-interval", type=float, default=10.0,
+                        help="seconds between throughput lines in the log; 0 disables them")
+    server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_args(parser.add_argument_group("engine"))
+    return parser
+
+
+def add_engine_args(group) -> None:
+    """One flag per `Config` field; a flag not given keeps the engine's default."""
+    for f in fields(Config):
+        if f.name == "model":
+            continue
+        flags = [f"--{f.name.replace('_', '-')}", *ENGINE_ARG_ALIASES.get(f.name, [])]
+        help_text = ENGINE_ARG_HELP.get(f.name, f"engine setting {f.name}")
+        if f.default is not MISSING:
+            help_text += f" (default {f.default})"
+        base = _base_type(f.type)
+        if base is bool:
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(*flags, dest=f.name, action=action, default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(*flags, dest=f.name, type=base, choices=ENGINE_ARG_CHOICES.get(f.name),
+                               default=argparse.SUPPRESS, help=help_text)
+
+
+def _base_type(annotation) -> type:
+    """`int | None` -> int; plain types as they are."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    names = {f.name for f in fields(Config)} - {"model"}
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+# ---- request plumbing -------------------------------------------------------------------
+
+async def read_json_object(request, max_bytes: int) -> dict:
+    """The request body as a JSON object: 413 when too large, 400 when not a JSON object."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"the request body is {declared} bytes; the limit is {max_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"the request body is over the limit of {max_bytes} bytes")
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError (invalid UTF-8) is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+async def until_disconnected(request, coro):
+    """Await `coro`, cancelling it if the client disconnects first; returns None then."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+async def _wait_for_disconnect(request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse_response_class():
+    from starlette.responses import StreamingResponse
+
+    class SSEResponse(StreamingResponse):
+        """Server-sent events of a `ChunkStream`; however it ends, unfinished requests are aborted."""
+        media_type = "text/event-stream"
+
+        def __init__(self, stream):
+            from nanovllm.entrypoints.openai.serving_engine import sse_events
+            super().__init__(sse_events(stream.chunks), headers={"Cache-Control": "no-cache"})
+            self.stream = stream
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.stream.abort()
+                await self.body_iterator.aclose()
+    return SSEResponse
+
+
+# ---- the app -------------------------------------------------------------------------------
+
+class ServerState:
+    """What the routes share: the engine, the handlers, metrics and the security settings."""
+
+    def __init__(self, async_llm, served_model_names: list[str], chat_template, api_key: str | None,
+                 max_request_body_bytes: int):
+        from nanovllm.entrypoints.openai.metrics import ServerMetrics
+        from nanovllm.entrypoints.openai.serving_chat import OpenAIServingChat
+        from nanovllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+        self.async_llm = async_llm
+        self.metrics = ServerMetrics()
+        self.completion = OpenAIServingCompletion(async_llm, served_model_names, self.metrics)
+        self.chat = OpenAIServingChat(async_llm, served_model_names, self.metrics, chat_template)
+        self.api_key = api_key.encode() if api_key is not None else None
+        self.max_request_body_bytes = max_request_body_bytes
+        self.sse_response = sse_response_class()
+
+    def check_api_key(self, request) -> None:
+        """The guarded routes' dependency: a constant-time compare with the configured key."""
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def read_json(self, request) -> dict:
+        return await read_json_object(request, self.max_request_body_bytes)
+
+    async def respond(self, request, coro):
+        """Run a completion handler; stream its chunks as SSE or answer its folded JSON."""
+        from fastapi.responses import JSONResponse, Response
+        from nanovllm.entrypoints.openai.serving_engine import ChunkStream
+        result = await until_disconnected(request, coro)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if isinstance(result, ChunkStream):
+            return self.sse_response(result)
+        return JSONResponse(result)
+
+
+def build_app(async_llm, served_model_names: list[str], chat_template=None, api_key: str | None = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
+    """The FastAPI app serving `async_llm`; its shutdown stops the engine."""
+    from fastapi import Depends, FastAPI, Request
+    from nanovllm import __version__
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        async_llm.shutdown()
+
+    state = ServerState(async_llm, served_model_names, chat_template, api_key, max_request_body_bytes)
+    app = FastAPI(title="nano-vLLM OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    async def require_api_key(request: Request) -> None:
+        state.check_api_key(request)
+    guarded = [Depends(require_api_key)]
+    _add_generation_routes(app, state, guarded)
+    _add_token_routes(app, state, guarded)
+    _add_info_routes(app, state, guarded)
+    return app
+
+
+def _add_generation_routes(app, state: ServerState, guarded: list) -> None:
+    from fastapi import Request
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request):
+        req = parse_completion_request(await state.read_json(request))
+        return await state.respond(request, state.completion.create_completion(req))
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request):
+        req = parse_chat_request(await state.read_json(request))
+        return await state.respond(request, state.chat.create_chat_completion(req))
+
+
+def _add_token_routes(app, state: ServerState, guarded: list) -> None:
+    from fastapi import Request
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request):
+        req = parse_tokenize_request(await state.read_json(request))
+        state.chat.check_model(req.model)
+        if req.messages is not None:
+            tokens = state.chat.render(req.messages, req.add_generation_prompt, req.add_special_tokens,
+                                       **req.chat_template_kwargs)
+        else:
+            tokens = state.chat.encode(req.prompt, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.async_llm.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request):
+        model, tokens = parse_detokenize_request(await state.read_json(request))
+        state.chat.check_model(model)
+        tokenizer = state.chat.tokenizer
+        if tokenizer is None:
+            raise bad_request("this server runs without a tokenizer", "tokens")
+        bad = next((t for t in tokens if not 0 <= t < len(tokenizer)), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {len(tokenizer)})", "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
+
+
+def _add_info_routes(app, state: ServerState, guarded: list) -> None:
+    from fastapi.responses import Response
+    from nanovllm import __version__
+    from nanovllm.entrypoints.openai.metrics import CONTENT_TYPE, engine_snapshot
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        data = [{"id": name, "object": "model", "created": int(state.async_llm.started_at), "owned_by": "nanovllm",
+                 "max_model_len": state.async_llm.max_model_len} for name in state.completion.served_model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if state.async_llm.is_healthy:
+            return Response(status_code=200)
+        error = state.async_llm.dead_error
+        return error_response(503, str(error) if error else "the engine is not running")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(engine_snapshot(state.async_llm)), media_type=CONTENT_TYPE)
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main(args: argparse.Namespace) -> None:
+    """Load the engine, then serve until SIGTERM/SIGINT. A bad setting exits with one line."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+        from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.entrypoints.openai.chat_template import load_chat_template
+        async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs_from_args(args))
+        chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
+    except (ValueError, OSError, ImportError) as e:
+        raise SystemExit(f"nanovllm serve: error: {e}") from None
+    names = args.served_model_name or [default_model_name(args.model, async_llm)]
+    app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes)
+    logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
+                async_llm.engine.block_manager.num_blocks)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    uvicorn.Server(config).run()
+
+
+def default_model_name(model: str | None, async_llm) -> str:
+    """The model argument as given (as vLLM); for the embedded default, its file name."""
+    if model is not None:
+        return model
+    name = os.path.basename(str(async_llm.engine.config.model).rstrip("/"))
+    return name.removesuffix(".gguf")
+
+
+if __name__ == "__main__":
+    main(add_cli_args(argparse.ArgumentParser(
+        prog="python -m nanovllm.entrypoints.openai.api_server",
+        description="OpenAI-compatible server for nano-vLLM")).parse_args())

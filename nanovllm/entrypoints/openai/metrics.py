@@ -1,0 +1,133 @@
+"""Server metrics in Prometheus' text exposition format (written by hand: no extra dependency).
+
+`ServerMetrics.track` wraps the output stream of each engine request and records
+time to first token, time per output token, end-to-end latency and token counts;
+`ServerMetrics.render` adds the engine's live state (running and waiting
+sequences, KV blocks used and free, prefix-cache hits) read at scrape time.
+Metric names follow vLLM's, with the `nanovllm:` prefix.
+"""
+import math
+import time
+from typing import AsyncIterator
+
+from nanovllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Bucket bounds in seconds, vLLM's: fine below 100 ms where a healthy server lives.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0)
+PREFIX = "nanovllm:"
+
+
+class Histogram:
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]):
+        self.name, self.doc, self.buckets = name, doc, buckets
+        self.counts = [0] * len(buckets)   # per bucket, not cumulative
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+
+    def lines(self) -> list[str]:
+        name = PREFIX + self.name
+        out = [f"# HELP {name} {self.doc}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {_num(self.sum)}",
+                f"{name}_count {self.count}"]
+        return out
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.finished: dict[str, int] = {}   # finish reason -> completions
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.tpot = Histogram("time_per_output_token_seconds", "Time per output token after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+
+    async def track(self, outputs: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
+        """Yield `outputs` unchanged, timing them from `arrival` (a `time.monotonic()` value)."""
+        last_token_time = None
+        async for output in outputs:
+            now = time.monotonic()
+            num_new = max((len(c.token_ids) for c in output.outputs), default=0)
+            if num_new and last_token_time is None:
+                self.ttft.observe(now - arrival)
+                self.num_prompt_tokens += len(output.prompt_token_ids)
+            elif num_new:
+                self.tpot.observe((now - last_token_time) / num_new)
+            last_token_time = now if num_new else last_token_time
+            self.num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
+            for c in output.outputs:
+                if c.finish_reason is not None:
+                    self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
+            if output.finished:
+                self.e2e.observe(now - arrival)
+            yield output
+
+    def render(self, engine: dict) -> str:
+        """The exposition text; `engine` is `engine_snapshot(...)`."""
+        lines = []
+        gauges = (("num_requests_running", "Sequences in the running batch.", engine["running"]),
+                  ("num_requests_waiting", "Sequences waiting to be scheduled.", engine["waiting"]),
+                  ("kv_cache_blocks_total", "KV cache blocks.", engine["blocks_total"]),
+                  ("kv_cache_blocks_free", "Free KV cache blocks (cached prefixes included).", engine["blocks_free"]),
+                  ("kv_cache_blocks_used", "KV cache blocks held by sequences.",
+                   engine["blocks_total"] - engine["blocks_free"]),
+                  ("engine_healthy", "1 while the engine loop runs, 0 after a fault.", int(engine["healthy"])))
+        for name, doc, value in gauges:
+            lines += _sample(name, "gauge", doc, value)
+        counters = (("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                     engine["prefix_queries"]),
+                    ("prefix_cache_hits_total", "Prompt tokens served from the prefix cache.", engine["prefix_hits"]),
+                    ("prompt_tokens_total", "Prompt tokens of requests that produced a token.",
+                     self.num_prompt_tokens),
+                    ("generation_tokens_total", "Generated tokens.", self.num_generation_tokens))
+        for name, doc, value in counters:
+            lines += _sample(name, "counter", doc, value)
+        lines += _finished_lines(self.finished)
+        for hist in (self.ttft, self.tpot, self.e2e):
+            lines += hist.lines()
+        return "\n".join(lines) + "\n"
+
+
+def engine_snapshot(async_llm) -> dict:
+    """The engine's live state, read from the event loop (plain ints and lengths: safe to read)."""
+    engine = async_llm.engine
+    bm = engine.block_manager
+    return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+            "blocks_total": bm.num_blocks, "blocks_free": bm.num_free_blocks,
+            "prefix_queries": getattr(bm, "num_prefix_query_tokens", 0),
+            "prefix_hits": getattr(bm, "num_prefix_hit_tokens", 0), "healthy": async_llm.is_healthy}
+
+
+def _sample(name: str, kind: str, doc: str, value: float) -> list[str]:
+    name = PREFIX + name
+    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {_num(value)}"]
+
+
+def _finished_lines(finished: dict[str, int]) -> list[str]:
+    name = PREFIX + "request_success_total"
+    lines = [f"# HELP {name} Finished completions by finish reason.", f"# TYPE {name} counter"]
+    return lines + [f'{name}{{finished_reason="{reason}"}} {n}' for reason, n in sorted(finished.items())]
+
+
+def _num(value: float) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
+    return repr(value) if isinstance(value, float) else str(value)

