@@ -15,11 +15,14 @@ failed=0
 
 step() {
     local name=$1; shift
+    [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0  # ONLY="a b": run just those steps
     echo "=== $name: $*"
     "$@" 2>&1 | tee "$LOG_DIR/$name.log" || { echo "=== $name FAILED"; failed=1; }
 }
 
 step test_triton_attn "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
 step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
+step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_gpu_engine.py
+step bench_offline "$PYTHON" benchmarks/bench_offline.py
 
 exit $failed
