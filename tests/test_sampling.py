@@ -1,0 +1,290 @@
+"""Sampling: SamplingParams validation, each sampler transform against an independent
+reference (HF's logits processors where they exist), sampled distributions, seeds,
+logprobs against HF's log_softmax, and n > 1 sharing the prompt's KV blocks."""
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from nanovllm import LLM, RequestOutput, SamplingParams
+from nanovllm.engine.sampling_metadata import SamplingMetadata
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from nanovllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from tiny_models import random_prompts
+
+VOCAB = 50
+NUM_DRAWS = 20_000
+# With N draws a frequency's standard deviation is at most sqrt(0.25 / N) = 0.0035;
+# 0.015 is over 4 of them, so a correct sampler fails this bound about once in 10^4 runs.
+FREQ_TOLERANCE = 0.015
+
+
+def _logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _seq(prompt, output=(), **params) -> Sequence:
+    seq = Sequence(list(prompt), SamplingParams(**params))
+    for t in output:
+        seq.append_token(t)
+    return seq
+
+
+# ---- SamplingParams ------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"), (dict(min_p=1.2), "min_p"), (dict(min_p=-0.1), "min_p"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"), (dict(max_tokens=0), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(n=0), "n"),
+    (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"),
+    (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(logprobs=-1), "logprobs"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(ignore_eos=1), "ignore_eos"),
+])
+def test_out_of_range_values_raise_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_top_p_message_names_the_value():
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        SamplingParams(top_p=1.5)
+
+
+def test_defaults_and_normalization_follow_vllm():
+    p = SamplingParams()
+    assert (p.max_tokens, p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (16, 1, 1.0, 1.0, 0, 0.0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy
+
+
+# ---- transforms against HF's logits processors ------------------------------------
+
+def test_top_k_matches_hf_per_row():
+    logits = _logits(4)
+    ks = [1, 3, 17, VOCAB]  # VOCAB: off
+    ours = apply_top_k(logits, torch.tensor(ks), max_top_k=17)
+    for row, k in enumerate(ks):
+        ref = TopKLogitsWarper(k)(None, logits[row:row + 1].clone())
+        assert torch.equal(ours[row:row + 1], ref)
+
+
+def test_top_p_matches_hf_per_row():
+    logits = _logits(4)
+    ps = [0.05, 0.5, 0.9, 1.0]
+    ours = apply_top_p(logits, torch.tensor(ps))
+    for row, p in enumerate(ps):
+        ref = TopPLogitsWarper(p)(None, logits[row:row + 1].clone())
+        assert torch.equal(torch.isinf(ours[row]), torch.isinf(ref[0]))
+        kept = ~torch.isinf(ref[0])
+        torch.testing.assert_close(ours[row][kept], ref[0][kept])
+
+
+def test_min_p_matches_hf_per_row():
+    logits = _logits(3)
+    mps = [0.0, 0.1, 0.6]
+    ours = apply_min_p(logits, torch.tensor(mps))
+    for row, mp in enumerate(mps):
+        ref = MinPLogitsWarper(mp)(None, logits[row:row + 1].clone()) if mp > 0 else logits[row:row + 1]
+        assert torch.equal(ours[row:row + 1], ref)
+
+
+def test_penalties_match_hf_and_the_openai_formula():
+    prompts = [[3, 4, 5, 5], [7, 8], [1, 2, 3]]
+    outputs = [[5, 9, 9, 10], [8, 8, 8], []]
+    params = [dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.7),
+              dict(repetition_penalty=0.8, frequency_penalty=-0.5, presence_penalty=0.0),
+              dict()]  # no penalties: row unchanged
+    seqs = [_seq(p, o, **kw) for p, o, kw in zip(prompts, outputs, params)]
+    logits = _logits(3)
+    metadata = SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))
+    ours = apply_penalties(logits, metadata)
+    for row, (prompt, output, kw) in enumerate(zip(prompts, outputs, params)):
+        ids = torch.tensor([prompt + output])
+        ref = RepetitionPenaltyLogitsProcessor(kw.get("repetition_penalty", 1.0))(ids, logits[row:row + 1].clone())[0]
+        for token in set(output):  # OpenAI: logit -= count * frequency + (count > 0) * presence
+            ref[token] -= output.count(token) * kw["frequency_penalty"] + kw["presence_penalty"]
+        torch.testing.assert_close(ours[row], ref)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached():
+    params = dict(min_tokens=3, stop_token_ids=[7], temperature=0)
+    seqs = [_seq([1, 2], [4, 4], **params), _seq([1, 2], [4, 4, 4], **params)]
+    for seq in seqs:
+        seq.sampling_params.set_eos_token_ids({9})
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = logits[:, 9] = 10.0  # the stop tokens are the most likely
+    out = Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu")))
+    assert out.token_ids[0].item() not in (7, 9)  # 2 of 3 tokens so far: banned
+    assert out.token_ids[1].item() in (7, 9)      # 3 tokens: allowed again
+
+
+# ---- distributions and seeds ------------------------------------------------------------
+
+def _reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top_k: int, top_p: float):
+    """The filtered softmax, computed in float64 by a different route than the sampler's."""
+    z = logits.double() / temperature
+    probs = torch.softmax(z, -1)
+    keep = probs >= min_p * probs.max()
+    keep &= z >= torch.sort(z, descending=True).values[min(top_k, len(z)) - 1]
+    p = torch.where(keep, probs, 0.0)
+    p /= p.sum()
+    order = torch.argsort(p, descending=True)
+    before = torch.cumsum(p[order], 0) - p[order]  # mass of the more likely tokens
+    keep_sorted = before < top_p
+    final = torch.zeros_like(p)
+    final[order[keep_sorted]] = p[order[keep_sorted]]
+    return final / final.sum()
+
+
+@pytest.mark.parametrize("opts", [
+    dict(temperature=1.0, min_p=0.0, top_k=VOCAB, top_p=1.0),
+    dict(temperature=0.7, min_p=0.0, top_k=6, top_p=1.0),
+    dict(temperature=1.3, min_p=0.0, top_k=VOCAB, top_p=0.6),
+    dict(temperature=0.9, min_p=0.05, top_k=8, top_p=0.8),
+])
+def test_sampled_frequencies_match_the_filtered_softmax(opts):
+    vocab = 12
+    logits = _logits(1, vocab, seed=3)[0]
+    expected = _reference_probs(logits, **opts)
+    params = SamplingParams(temperature=opts["temperature"], min_p=opts["min_p"],
+                            top_k=opts["top_k"] if opts["top_k"] < vocab else 0, top_p=opts["top_p"])
+    seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
+    metadata = SamplingMetadata.build(seqs, vocab, torch.device("cpu"))
+    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).clone(), metadata).token_ids
+    freq = torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
+    assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
+    assert (freq - expected).abs().max().item() < FREQ_TOLERANCE
+    assert (expected > 0).sum() >= 2  # a real distribution, not a forced choice
+
+
+def test_top_k_1_is_greedy():
+    logits = _logits(64, seed=5)
+    seqs = [Sequence([1], SamplingParams(temperature=1.5, top_k=1)) for _ in range(64)]
+    tokens = Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))).token_ids
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_mixed_batch_greedy_rows_take_the_argmax():
+    logits = _logits(8, seed=6)
+    seqs = [Sequence([1], SamplingParams(temperature=0 if i % 2 else 1.0, top_p=0.9)) for i in range(8)]
+    tokens = Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))).token_ids
+    assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
+
+
+def _draw(rows: list[tuple[torch.Tensor, SamplingParams, int]]) -> list[int]:
+    """Sample one step for rows of (logits, params, position); returns the tokens."""
+    seqs = [Sequence(list(range(1, position + 1)), params) for _, params, position in rows]
+    logits = torch.stack([r[0] for r in rows])
+    return Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))).token_ids.tolist()
+
+
+def test_seeded_draws_are_reproducible_and_independent_of_batch_mates():
+    logits = _logits(16, seed=7) * 0.2  # flat: many tokens likely, so draws really vary
+    seeded = [(logits[i], SamplingParams(seed=100 + i, top_p=0.95), 5 + i) for i in range(16)]
+    alone = [_draw([row])[0] for row in seeded]
+    assert len(set(alone)) > 4  # the seeds make different draws
+    others = [(l, SamplingParams(temperature=t, top_k=k), 3) for l, t, k in
+              zip(_logits(6, seed=8), [0, 0.5, 1.0, 2.0, 0, 0.3], [0, 2, 0, 5, 0, 0])]
+    mixed = others[:3] + seeded[::-1] + others[3:]
+    batch = _draw(mixed)[3:3 + 16][::-1]
+    assert batch == alone
+    assert _draw(seeded) == alone  # and a rerun gives the same tokens
+
+
+def test_seeded_draws_change_with_position():
+    logits = _logits(1, seed=9)[0] * 0.2
+    draws = [_draw([(logits, SamplingParams(seed=1), pos)])[0] for pos in range(1, 30)]
+    assert len(set(draws)) > 4
+
+
+# ---- engine level: logprobs against HF, seeds, n > 1 ------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    path, hf = tiny_model("llama")
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=64), hf
+
+
+def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(llama):
+    llm, hf = llama
+    prompt = random_prompts([21], seed=4)[0]
+    k = 5
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=k, prompt_logprobs=k)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    tokens = prompt + completion.token_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)  # [len, vocab]
+    assert len(completion.logprobs) == len(completion.token_ids) == 12
+    for i, token in enumerate(completion.token_ids):
+        _check_position(completion.logprobs[i], ref[len(prompt) - 1 + i], token, k)
+    assert math.isclose(completion.cumulative_logprob,
+                        sum(ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion.token_ids)),
+                        abs_tol=1e-3)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        _check_position(out.prompt_logprobs[p], ref[p - 1], prompt[p], k)
+
+
+def _check_position(entry: dict, ref: torch.Tensor, token: int, k: int) -> None:
+    top = torch.topk(ref, k)
+    assert set(entry) == set(top.indices.tolist()) | {token}
+    assert entry[token].rank == int((ref > ref[token]).sum()) + 1
+    for t, lp in entry.items():
+        assert abs(lp.logprob - ref[t].item()) < 1e-4
+
+
+def test_seeded_request_reruns_identically(llama):
+    llm, _ = llama
+    prompts = random_prompts([9, 14], seed=5)
+    params = SamplingParams(temperature=1.0, seed=42, max_tokens=16, ignore_eos=True)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    other_seed = llm.generate(prompts, SamplingParams(temperature=1.0, seed=43, max_tokens=16, ignore_eos=True),
+                              use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] != [o.outputs[0].token_ids for o in other_seed]
+
+
+def test_n_samples_share_the_prompt_blocks(llama):
+    llm, _ = llama
+    engine = llm.llm_engine
+    bm = engine.block_manager
+    free_at_start = bm.num_free_blocks
+    prompt = random_prompts([40], seed=6)[0]  # 2 full blocks of 16 + 8 tokens
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True))
+    seqs = [s.seq for s in engine.output_processor.requests["n4"].seqs]
+    outputs = []
+    while not all(len(s.block_table) for s in seqs):
+        outputs += engine.step()
+    assert len({tuple(s.block_table[:2]) for s in seqs}) == 1  # the two full prompt blocks are shared
+    assert len({s.block_table[2] for s in seqs}) == 4          # each sample has its own last block
+    assert free_at_start - bm.num_free_blocks == 2 + 4
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = RequestOutput.fold(outputs[0])
+    for delta in outputs[1:]:
+        final.add(delta)
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert all(len(c.token_ids) == 4 and c.finish_reason == "length" for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # seeds 0..3 give different samples
+    assert bm.num_free_blocks == free_at_start
+
+
+def test_engine_rejects_bad_requests(llama):
+    llm, _ = llama
+    with pytest.raises(ValueError, match="n must be <= max_n"):
+        llm.generate([[5, 6]], SamplingParams(n=65), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop token id"):
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10_000]), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
