@@ -45,6 +45,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Filled by the engine: EOS ids that end this request (empty with ignore_eos).
     _eos_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -54,6 +55,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
     # ---- validation -----------------------------------------------------------
 
@@ -133,11 +135,12 @@ class SamplingParams:
     @property
     def all_stop_token_ids(self) -> frozenset[int]:
         """Token ids that end the request: EOS (unless ignore_eos) and stop_token_ids."""
-        return self._eos_token_ids | frozenset(self.stop_token_ids)
+        return self._all_stop_token_ids
 
     def set_eos_token_ids(self, eos_token_ids) -> None:
         """Engine side: record the model's EOS ids (none when ignore_eos)."""
         self._eos_token_ids = frozenset() if self.ignore_eos else frozenset(eos_token_ids)
+        self._all_stop_token_ids = self._eos_token_ids | frozenset(self.stop_token_ids)
 
 
 def _check_number(name: str, value) -> float:

@@ -16,6 +16,8 @@ from nanovllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from tiny_models import random_prompts
 
 VOCAB = 50
+# The sampler tests also run on a GPU when there is one (the GPU suite runs this file).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NUM_DRAWS = 20_000
 # With N draws a frequency's standard deviation is at most sqrt(0.25 / N) = 0.0035;
 # 0.015 is over 4 of them, so a correct sampler fails this bound about once in 10^4 runs.
@@ -144,32 +146,34 @@ def _reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top
     return final / final.sum()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opts", [
     dict(temperature=1.0, min_p=0.0, top_k=VOCAB, top_p=1.0),
     dict(temperature=0.7, min_p=0.0, top_k=6, top_p=1.0),
     dict(temperature=1.3, min_p=0.0, top_k=VOCAB, top_p=0.6),
     dict(temperature=0.9, min_p=0.05, top_k=8, top_p=0.8),
 ])
-def test_sampled_frequencies_match_the_filtered_softmax(opts):
+def test_sampled_frequencies_match_the_filtered_softmax(opts, device):
     vocab = 12
     logits = _logits(1, vocab, seed=3)[0]
     expected = _reference_probs(logits, **opts)
     params = SamplingParams(temperature=opts["temperature"], min_p=opts["min_p"],
                             top_k=opts["top_k"] if opts["top_k"] < vocab else 0, top_p=opts["top_p"])
     seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
-    metadata = SamplingMetadata.build(seqs, vocab, torch.device("cpu"))
-    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).clone(), metadata).token_ids
+    metadata = SamplingMetadata.build(seqs, vocab, torch.device(device))
+    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).to(device), metadata).token_ids.cpu()
     freq = torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
     assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
     assert (freq - expected).abs().max().item() < FREQ_TOLERANCE
     assert (expected > 0).sum() >= 2  # a real distribution, not a forced choice
 
 
-def test_top_k_1_is_greedy():
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_1_is_greedy(device):
     logits = _logits(64, seed=5)
     seqs = [Sequence([1], SamplingParams(temperature=1.5, top_k=1)) for _ in range(64)]
-    tokens = Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))).token_ids
-    assert torch.equal(tokens, logits.argmax(-1))
+    tokens = Sampler()(logits.to(device), SamplingMetadata.build(seqs, VOCAB, torch.device(device))).token_ids
+    assert torch.equal(tokens.cpu(), logits.argmax(-1))
 
 
 def test_mixed_batch_greedy_rows_take_the_argmax():
@@ -179,24 +183,25 @@ def test_mixed_batch_greedy_rows_take_the_argmax():
     assert torch.equal(tokens[1::2], logits[1::2].argmax(-1))
 
 
-def _draw(rows: list[tuple[torch.Tensor, SamplingParams, int]]) -> list[int]:
+def _draw(rows: list[tuple[torch.Tensor, SamplingParams, int]], device: str = "cpu") -> list[int]:
     """Sample one step for rows of (logits, params, position); returns the tokens."""
     seqs = [Sequence(list(range(1, position + 1)), params) for _, params, position in rows]
-    logits = torch.stack([r[0] for r in rows])
-    return Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))).token_ids.tolist()
+    logits = torch.stack([r[0] for r in rows]).to(device)
+    return Sampler()(logits, SamplingMetadata.build(seqs, VOCAB, torch.device(device))).token_ids.tolist()
 
 
-def test_seeded_draws_are_reproducible_and_independent_of_batch_mates():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_draws_are_reproducible_and_independent_of_batch_mates(device):
     logits = _logits(16, seed=7) * 0.2  # flat: many tokens likely, so draws really vary
     seeded = [(logits[i], SamplingParams(seed=100 + i, top_p=0.95), 5 + i) for i in range(16)]
-    alone = [_draw([row])[0] for row in seeded]
+    alone = [_draw([row], device)[0] for row in seeded]
     assert len(set(alone)) > 4  # the seeds make different draws
     others = [(l, SamplingParams(temperature=t, top_k=k), 3) for l, t, k in
               zip(_logits(6, seed=8), [0, 0.5, 1.0, 2.0, 0, 0.3], [0, 2, 0, 5, 0, 0])]
     mixed = others[:3] + seeded[::-1] + others[3:]
-    batch = _draw(mixed)[3:3 + 16][::-1]
+    batch = _draw(mixed, device)[3:3 + 16][::-1]
     assert batch == alone
-    assert _draw(seeded) == alone  # and a rerun gives the same tokens
+    assert _draw(seeded, device) == alone  # and a rerun gives the same tokens
 
 
 def test_seeded_draws_change_with_position():

@@ -18,10 +18,17 @@ def tok():
     return smollm2_tokenizer()
 
 
-def _run(tok, text: str, **kwargs) -> tuple[IncrementalDetokenizer, list[str], str | None, int]:
+@pytest.fixture(params=[True, False], ids=["decode_stream", "window"])
+def use_decode_stream(request):
+    return request.param
+
+
+def _run(tok, text: str, use_decode_stream: bool,
+         **kwargs) -> tuple[IncrementalDetokenizer, list[str], str | None, int]:
     """Feed `text`'s tokens one by one; returns the detokenizer, streamed deltas, the stop
     string found (if any) and how many tokens were fed."""
-    detok = IncrementalDetokenizer(tok, tok.encode("Say:"), **kwargs)
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"), use_decode_stream=use_decode_stream, **kwargs)
+    assert (detok._stream is not None) == use_decode_stream
     ids = tok.encode(text, add_special_tokens=False)
     deltas, stop = [], None
     for n, token_id in enumerate(ids, 1):
@@ -29,58 +36,64 @@ def _run(tok, text: str, **kwargs) -> tuple[IncrementalDetokenizer, list[str], s
         if stop is not None:
             break
         deltas.append(detok.get_delta(finished=False))
-    if stop is None:
-        detok.flush()
     deltas.append(detok.get_delta(finished=True))
     return detok, deltas, stop, n
 
 
-def test_multibyte_characters_are_never_split(tok):
+def test_multibyte_characters_are_never_split(tok, use_decode_stream):
     ids = tok.encode(MULTIBYTE, add_special_tokens=False)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # some characters do span tokens
-    detok, deltas, stop, _ = _run(tok, MULTIBYTE)
+    detok, deltas, stop, _ = _run(tok, MULTIBYTE, use_decode_stream)
     assert stop is None
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == detok.output_text == MULTIBYTE
     assert sum(1 for d in deltas if d) > 5  # it really streamed, in pieces
 
 
-def test_stop_string_across_tokens_cuts_the_text_before_it(tok):
+def test_stop_string_across_tokens_cuts_the_text_before_it(tok, use_decode_stream):
     text = "The answer is forty-two. END of story"
     stop = "forty-two"  # tokens ' forty', '-', 'two'
     assert not any(stop in tok.decode([i]) for i in tok.encode(text, add_special_tokens=False))
-    detok, deltas, found, n = _run(tok, text, stop=[stop, "never"])
+    detok, deltas, found, n = _run(tok, text, use_decode_stream, stop=[stop, "never"])
     assert found == stop
     assert detok.output_text == "".join(deltas) == "The answer is "
     assert tok.decode(tok.encode(text, add_special_tokens=False)[:n]).endswith(stop)  # stopped on its last token
 
 
-def test_stop_string_included_when_asked(tok):
-    detok, deltas, found, _ = _run(tok, "The answer is forty-two. END", stop=["forty-two"],
+def test_stop_string_included_when_asked(tok, use_decode_stream):
+    detok, deltas, found, _ = _run(tok, "The answer is forty-two. END", use_decode_stream, stop=["forty-two"],
                                    include_stop_str_in_output=True)
     assert found == "forty-two"
     assert "".join(deltas) == detok.output_text == "The answer is forty-two"
 
 
-def test_partial_stop_string_is_held_back_while_streaming(tok):
+def test_partial_stop_string_is_held_back_while_streaming(tok, use_decode_stream):
     # "general Ken" never completes ("general Kenn" is not in the text) but its start is
-    # held back while it might; the final flush sends it.
+    # held back while it might; the finished delta sends it.
     text = "Hello there, general Kenobi."
-    detok, deltas, found, _ = _run(tok, text, stop=["general Kenn"])
+    detok, deltas, found, _ = _run(tok, text, use_decode_stream, stop=["general Kenn"])
     assert found is None
     assert "".join(deltas[:-1]) == text[:len(text) - len("general Kenn") + 1]  # the last 11 chars wait
     assert "".join(deltas) == text
 
 
-def test_multibyte_stop_string(tok):
-    detok, deltas, found, _ = _run(tok, MULTIBYTE, stop=["世界"])
+def test_multibyte_stop_string(tok, use_decode_stream):
+    detok, deltas, found, _ = _run(tok, MULTIBYTE, use_decode_stream, stop=["世界"])
     assert found == "世界" and "".join(deltas) == "Hi 你好，"
 
 
-def test_skip_special_tokens(tok):
+def test_leading_space_of_the_first_token_is_kept(tok, use_decode_stream):
+    detok = IncrementalDetokenizer(tok, tok.encode("Hello", add_special_tokens=False),
+                                   use_decode_stream=use_decode_stream)
+    for t in tok.encode(" there, you", add_special_tokens=False):
+        detok.add_token(t)
+    assert detok.get_delta(finished=True) == " there, you"
+
+
+def test_skip_special_tokens(tok, use_decode_stream):
     ids = tok.encode("Hello", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
     for skip, expected in ((True, "Hello"), (False, "Hello<|im_end|>")):
-        detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tok, [1], skip_special_tokens=skip, use_decode_stream=use_decode_stream)
         for t in ids:
             detok.add_token(t)
         assert detok.get_delta(finished=True) == expected

@@ -149,8 +149,6 @@ class OutputProcessor:
         seq = state.seq
         text = ""
         if state.detokenizer is not None:
-            if seq.is_finished and not isinstance(state.stop_reason, str):
-                state.detokenizer.flush()  # a stop string cut the text; anything else ends it whole
             text = state.detokenizer.get_delta(seq.is_finished)
         start = seq.num_prompt_tokens + state.num_sent_tokens
         token_ids = seq.token_ids[start:]

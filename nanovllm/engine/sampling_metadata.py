@@ -7,7 +7,9 @@ an option that no row uses stays None, so the sampler skips it.
 sequence: the sampled tokens, their logprobs, and prompt logprobs.
 """
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
@@ -38,7 +40,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     temperature: torch.Tensor | None = None   # [num_seqs] float32 (1.0 on greedy rows)
-    is_greedy: torch.Tensor | None = None     # [num_seqs] bool
+    is_greedy: torch.Tensor | None = None     # [num_seqs] bool; None when no row is greedy
     top_k: torch.Tensor | None = None         # [num_seqs] int64 (vocab size where off)
     max_top_k: int = 0
     top_p: torch.Tensor | None = None         # [num_seqs] float32 (1.0 where off)
@@ -58,7 +60,7 @@ class SamplingMetadata:
         greedy = [p.greedy for p in params]
         metadata = cls(all_greedy=all(greedy), all_random=not any(greedy))
         if not metadata.all_greedy:
-            metadata._add_random(seqs, vocab_size, device)
+            metadata._add_random(seqs, greedy, vocab_size, device)
         if any(p.has_penalties for p in params):
             metadata._add_penalties(seqs, vocab_size, device)
         metadata.banned_tokens = _banned_tokens(seqs, device)
@@ -76,41 +78,56 @@ class SamplingMetadata:
                    min_p=full(0.01), output_counts=zeros, prompt_mask=zeros.bool(), repetition_penalties=full(1.1),
                    frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS)
 
-    def _add_random(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
-        params = [seq.sampling_params for seq in seqs]
-        greedy = [p.greedy for p in params]
-        self.temperature = _tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                   torch.float32, device)
-        self.is_greedy = _tensor(greedy, torch.bool, device)
-        top_k = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+    def _add_random(self, seqs: list[Sequence], greedy: list[bool], vocab_size: int,
+                    device: torch.device) -> None:
+        # Per row: temperature, top_p, min_p, top_k; greedy rows get neutral values.
+        rows = [(1.0, 1.0, 0.0, vocab_size) if g else
+                (p.temperature, p.top_p, p.min_p, min(p.top_k or vocab_size, vocab_size))
+                for p, g in zip((seq.sampling_params for seq in seqs), greedy)]
+        temperature, top_p, min_p, top_k = zip(*rows)
+        floats = _tensor([temperature, top_p, min_p], torch.float32, device)  # [3, num_seqs], one copy
+        self.temperature = floats[0]
+        self.top_p = floats[1] if any(p < 1.0 for p in top_p) else None
+        self.min_p = floats[2] if any(p > 0.0 for p in min_p) else None
         if any(k < vocab_size for k in top_k):
             self.top_k = _tensor(top_k, torch.int64, device)
             self.max_top_k = max(k for k in top_k if k < vocab_size)
-        top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
-        if any(p < 1.0 for p in top_p):
-            self.top_p = _tensor(top_p, torch.float32, device)
-        min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
-        if any(p > 0.0 for p in min_p):
-            self.min_p = _tensor(min_p, torch.float32, device)
+        if not self.all_random:
+            self.is_greedy = _tensor(greedy, torch.bool, device)
         self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
                       if seq.sampling_params.seed is not None and not greedy[row]}
 
     def _add_penalties(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
         params = [seq.sampling_params for seq in seqs]
-        penalized = [p.has_penalties for p in params]
-        prompts = [seq.prompt_token_ids if on else [] for seq, on in zip(seqs, penalized)]
-        outputs = [seq.completion_token_ids if on else [] for seq, on in zip(seqs, penalized)]
-        prompt_ids = _padded(prompts, vocab_size, device)   # [num_seqs, max_prompt_len]
-        output_ids = _padded(outputs, vocab_size, device)   # [num_seqs, max_output_len]
-        # One extra column takes the padding, then is cut off.
-        mask = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.bool, device=device)
-        self.prompt_mask = mask.scatter_(1, prompt_ids, True)[:, :vocab_size]
-        counts = torch.zeros(len(seqs), vocab_size + 1, dtype=torch.float32, device=device)
-        ones = torch.ones(output_ids.shape, dtype=torch.float32, device=device)
-        self.output_counts = counts.scatter_add_(1, output_ids, ones)[:, :vocab_size]
-        self.repetition_penalties = _tensor([p.repetition_penalty for p in params], torch.float32, device)
-        self.frequency_penalties = _tensor([p.frequency_penalty for p in params], torch.float32, device)
-        self.presence_penalties = _tensor([p.presence_penalty for p in params], torch.float32, device)
+        rows, token_ids, in_prompt = _flat_token_ids([seq if p.has_penalties else None
+                                                      for seq, p in zip(seqs, params)])
+        rows, token_ids = rows.to(device), token_ids.to(device)
+        in_prompt = in_prompt.to(device)
+        self.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
+        self.prompt_mask[rows[in_prompt], token_ids[in_prompt]] = True
+        self.output_counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
+        out = ~in_prompt
+        ones = torch.ones(int(out.sum()), dtype=torch.float32, device=device)
+        self.output_counts.index_put_((rows[out], token_ids[out]), ones, accumulate=True)
+        penalties = _tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                             [p.presence_penalty for p in params]], torch.float32, device)  # [3, num_seqs]
+        self.repetition_penalties, self.frequency_penalties, self.presence_penalties = penalties
+
+
+def _flat_token_ids(seqs: list[Sequence | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every token of the given sequences (None: skip that row), flat, built with numpy.
+
+    Returns row [n] int64, token id [n] int64, and whether the token is in its prompt [n] bool.
+    """
+    present = [(row, seq) for row, seq in enumerate(seqs) if seq is not None]
+    lengths = np.array([seq.num_tokens for _, seq in present], dtype=np.int64)
+    total = int(lengths.sum())
+    token_ids = np.fromiter(chain.from_iterable(seq.token_ids for _, seq in present), np.int64, count=total)
+    rows = np.repeat(np.array([row for row, _ in present], dtype=np.int64), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    prompt_lengths = np.repeat(np.array([seq.num_prompt_tokens for _, seq in present], dtype=np.int64), lengths)
+    in_prompt = (np.arange(total) - starts) < prompt_lengths
+    return torch.from_numpy(rows), torch.from_numpy(token_ids), torch.from_numpy(in_prompt)
 
 
 def _banned_tokens(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -125,11 +142,6 @@ def _banned_tokens(seqs: list[Sequence], device: torch.device) -> tuple[torch.Te
     if not rows:
         return None
     return _tensor(rows, torch.int64, device), _tensor(cols, torch.int64, device)
-
-
-def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(map(len, lists)))
-    return _tensor([x + [pad] * (width - len(x)) for x in lists], torch.int64, device)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
