@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from tqdm.auto import tqdm
 
 from nanovllm.model_config import ModelConfig
 from nanovllm.utils.dequant import dequantize, num_bytes
@@ -296,8 +297,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     arch = _architecture(header)
     cfg = gguf_model_config(path)
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    infos = tqdm(header.tensors.values(), desc="Loading GGUF tensors", unit="tensor", leave=False,
+                 disable=None)  # None: shown on a terminal only
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        for info in header.tensors.values():
+        for info in infos:
             start = header.data_start + info.offset
             raw = torch.frombuffer(bytearray(buf[start:start + info.nbytes]), dtype=torch.uint8)
             tensor = dequantize(raw, info.type_name, info.shape)
