@@ -101,14 +101,13 @@ class SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
         rows, token_ids, in_prompt = _flat_token_ids([seq if p.has_penalties else None
                                                       for seq, p in zip(seqs, params)])
-        rows, token_ids = rows.to(device), token_ids.to(device)
-        in_prompt = in_prompt.to(device)
+        prompt = torch.stack([rows[in_prompt], token_ids[in_prompt]]).to(device)    # [2, num_prompt_tokens]
+        output = torch.stack([rows[~in_prompt], token_ids[~in_prompt]]).to(device)  # [2, num_output_tokens]
         self.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
-        self.prompt_mask[rows[in_prompt], token_ids[in_prompt]] = True
+        self.prompt_mask[prompt[0], prompt[1]] = True
         self.output_counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
-        out = ~in_prompt
-        ones = torch.ones(int(out.sum()), dtype=torch.float32, device=device)
-        self.output_counts.index_put_((rows[out], token_ids[out]), ones, accumulate=True)
+        ones = torch.ones(output.shape[1], dtype=torch.float32, device=device)
+        self.output_counts.index_put_((output[0], output[1]), ones, accumulate=True)
         penalties = _tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                              [p.presence_penalty for p in params]], torch.float32, device)  # [3, num_seqs]
         self.repetition_penalties, self.frequency_penalties, self.presence_penalties = penalties
