@@ -120,6 +120,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed run, profile a second run and print GPU time by kernel")
     args = ap.parse_args()
     cfg = SMALL if args.small else QWEN3_0_6B
     num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
@@ -157,6 +159,17 @@ def main():
           f"sampled ids); host: prepare {result['prepare_ms_per_step']} ms, schedule + postprocess + outputs "
           f"{result['other_host_ms_per_step']} ms")
     print(json.dumps(result))
+    if args.profile:
+        profile(llm, prompts, params)
+
+
+def profile(llm, prompts, params, top: int = 30) -> None:
+    """GPU time by kernel over a whole run (host timings inside the profiler are inflated)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
 if __name__ == "__main__":

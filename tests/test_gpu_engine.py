@@ -20,7 +20,10 @@ from tiny_models import hf_greedy, random_prompts
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 NEW_TOKENS = 32
-BF16_LOGPROB_TOL = 0.15   # max |logprob difference| over all positions, bf16 vs HF bf16
+# bf16 vs HF bf16, over every position and vocabulary entry: both round at every op, in
+# different orders; the tiny models' large logits (initializer_range 0.2) magnify that.
+BF16_LOGPROB_MAX_TOL = 0.3
+BF16_LOGPROB_MEAN_TOL = 0.03
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -90,7 +93,8 @@ def test_bf16_teacher_forced_logprobs_close_to_hf(tiny_model, family, prompts):
         with torch.inference_mode():
             ref = torch.log_softmax(hf_bf16(torch.tensor([tokens], device="cuda")).logits[0].float(), -1)
         ours = _engine_logprobs(llm, tokens)
-        assert (ours - ref).abs().max().item() < BF16_LOGPROB_TOL
+        diff = (ours - ref).abs()
+        assert diff.max().item() < BF16_LOGPROB_MAX_TOL and diff.mean().item() < BF16_LOGPROB_MEAN_TOL
 
 
 def _hf_on_gpu(path: str, dtype: torch.dtype):

@@ -4,6 +4,8 @@ scheduled step into tensors, runs the forward pass and samples.
 Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
+import gc
+
 import numpy as np
 import torch
 
@@ -91,6 +93,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Run the largest prefill step and sample the largest batch, on a scratch KV cache."""
+        gc.collect()  # engines no longer referenced give their memory back before we measure
+        torch.cuda.empty_cache()
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         seq_len = min(num_tokens, self.max_model_len)
         num_seqs = max(1, num_tokens // seq_len)
