@@ -356,15 +356,47 @@ def test_bad_input_changes_nothing(server, client):
 
 # ---- disconnects, load, logs ----------------------------------------------------------------------
 
-def test_disconnect_mid_stream_frees_blocks(server):
+def _aborted_ids(server) -> list[str]:
+    return [m.group(1) for line in server.log if (m := re.search(r"aborted request (\S+)", line))]
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     body = {"prompt": "A long story:", "max_tokens": 450, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
-        lines = r.iter_lines()
-        while not next(lines).startswith("data: "):
-            pass
+        lines = r.iter_lines()   # keep a reference: closing this iterator would close the response
+        first = next(line for line in lines if line.startswith("data: "))
         assert server.metrics()["nanovllm:kv_cache_blocks_free"] < NUM_KV_BLOCKS   # it holds blocks now
+    request_id = json.loads(first[len("data: "):])["id"]
     m = wait_until_idle(server, timeout=10)
     assert m["nanovllm:kv_cache_blocks_free"] == NUM_KV_BLOCKS and m["nanovllm:num_requests_running"] == 0
+    deadline = time.monotonic() + 5
+    while request_id not in _aborted_ids(server) and time.monotonic() < deadline:
+        time.sleep(0.05)   # the log line travels through a pipe
+    assert request_id in _aborted_ids(server)   # aborted by the server, not finished on its own
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_response(server):
+    num_aborted = len(_aborted_ids(server))
+    body = {"prompt": "Another long story:", "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=0.3)
+    m = wait_until_idle(server, timeout=10)
+    assert m["nanovllm:kv_cache_blocks_free"] == NUM_KV_BLOCKS
+    deadline = time.monotonic() + 5
+    while len(_aborted_ids(server)) == num_aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_aborted_ids(server)) == num_aborted + 1
+
+
+def test_a_stalled_client_does_not_stall_others(server, client):
+    body = {"prompt": "Nobody reads this", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200   # headers are in; the body is never read
+        t0 = time.monotonic()
+        out = client.completions.create(model=MODEL_NAME, prompt="meanwhile", max_tokens=8,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 8 and time.monotonic() - t0 < 30
+    wait_until_idle(server)
 
 
 async def _load(url: str, num_streams: int, drop_after_s: float) -> list[str]:

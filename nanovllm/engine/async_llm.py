@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import AsyncIterator, Callable
 
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
@@ -55,18 +56,22 @@ class RequestStream:
     """The outputs of one request, as an async iterator of `RequestOutput` deltas.
 
     Iteration ends after the output with `finished=True`; an engine fault raises
-    `EngineDeadError` from the iterator. `abort()` (also called when an
-    `AsyncLLM.generate` loop is left early) stops the request if it is still running.
+    `EngineDeadError` from the iterator. A consumer slower than the engine gets the
+    deltas that piled up folded into one, so it catches up instead of lagging
+    further behind. `abort()` (also called when an `AsyncLLM.generate` loop is
+    left early) stops the request if it is still running.
     """
 
     def __init__(self, request_id: str, abort: Callable[[str], None]):
         self.request_id = request_id
         self.finished = False
         self._abort = abort
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -74,10 +79,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if self._items and isinstance(self._items[0], RequestOutput):
+            item = RequestOutput.fold(item)
+            while self._items and isinstance(self._items[0], RequestOutput):
+                item.add(self._items.popleft())
         self.finished = item.finished
         return item
 
@@ -246,6 +258,7 @@ class AsyncLLM:
         if request_id in self._live_ids:
             self._live_ids.discard(request_id)
             self.engine.abort(request_id)
+            logger.info("aborted request %s", request_id)
 
     def _run_engine_loop(self) -> None:
         while True:
