@@ -14,6 +14,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # at most 15 slots, and our attention kernels gather keys by slot, so the block size
 # does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
 DEFAULT_BLOCK_SIZE = 16
+# Eight decode steps per scheduling round on a GPU: B1 measured the host's per-step work
+# at about as long as the GPU's, so one round of eight leaves the GPU waiting ~1/8 as much.
+# New requests join at round boundaries (at most 7 steps later).
+DEFAULT_GPU_SCHEDULER_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class Config:
     skip_tokenizer_init: bool = False
     tokenizer: str | None = None
     max_n: int = 64                           # cap on SamplingParams.n
+    # Decode steps run back to back on the device per scheduling round (vLLM's multi-step
+    # scheduling): the host's scheduling and output work is paid once per round. None:
+    # DEFAULT_GPU_SCHEDULER_STEPS on a GPU with one rank, 1 elsewhere.
+    num_scheduler_steps: int | None = None
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
 
     def __post_init__(self):
@@ -46,6 +54,9 @@ class Config:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
+                                                     or self.num_scheduler_steps < 1):
+            raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -9,15 +9,17 @@ import time
 from dataclasses import replace
 from itertools import count
 
-from nanovllm.config import Config
+from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS, Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import make_model_runner
 from nanovllm.engine.model_source import ModelSource, resolve_model
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.device import resolve_device
 
 PromptType = str | list[int] | dict
 
@@ -28,7 +30,7 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, **kwargs)
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()
-        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = self._max_model_len()
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -39,6 +41,25 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
+        self.num_scheduler_steps = self._num_scheduler_steps()
+
+    def _max_model_len(self) -> int:
+        """Config.max_model_len, or the model's max_position_embeddings; never beyond what the model supports."""
+        limit = self.model_config.max_model_len_limit
+        if self.config.max_model_len is not None and self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} is beyond this model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings} "
+                             f"(with rope scaling: {limit})")
+        return self.config.max_model_len or self.model_config.max_position_embeddings
+
+    def _num_scheduler_steps(self) -> int:
+        steps, tp = self.config.num_scheduler_steps, self.config.tensor_parallel_size
+        if steps is None:
+            on_gpu = resolve_device(self.config.device).type == "cuda"
+            return DEFAULT_GPU_SCHEDULER_STEPS if on_gpu and tp == 1 else 1
+        if steps > 1 and tp > 1:
+            raise ValueError(f"num_scheduler_steps {steps} needs tensor_parallel_size 1, got {tp}")
+        return steps
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -169,10 +190,40 @@ class LLMEngine:
             return []
         num_decode = sum(1 for s in seqs if not s.is_prefilling)
         num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
-        output = self.model_runner.run(seqs)
+        num_steps = self._decode_steps(seqs)
+        if num_steps > 1:
+            for output in self.model_runner.run_decode_steps(seqs, num_steps):
+                for seq in seqs:
+                    seq.num_scheduled_tokens = 1  # postprocess consumed the previous step's
+                self._postprocess(seqs, output)
+            advanced = seqs
+        else:
+            output = self._postprocess(seqs, self.model_runner.run(seqs))
+            advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
+        outputs = self.output_processor.make_outputs(advanced)
+        self.last_step_stats = (num_prefill, num_decode * num_steps, time.perf_counter() - start)
+        return outputs
+
+    def _decode_steps(self, seqs: list[Sequence]) -> int:
+        """Decode steps to run back to back this round (1: a plain step).
+
+        Multi-step rounds need sampling that does not depend on the tokens of the
+        round itself: no penalties, and no sequence still below its min_tokens.
+        """
+        if self.num_scheduler_steps == 1 or any(
+                s.sampling_params.has_penalties or s.num_completion_tokens < s.sampling_params.min_tokens
+                for s in seqs):
+            return 1
+        return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len)
+
+    def _postprocess(self, seqs: list[Sequence], output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Apply one step's sampled tokens; sequences that finished earlier in a multi-step
+        round ignore the rest of it."""
+        live = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        if len(live) < len(seqs):
+            finished_ids = {seq.seq_id for seq in seqs if seq.is_finished}
+            output.logprobs = {k: v for k, v in output.logprobs.items() if k not in finished_ids}
+            seqs, output.sampled_token_ids = [seqs[i] for i in live], [output.sampled_token_ids[i] for i in live]
         self.output_processor.record(output)
         self.scheduler.postprocess(seqs, output.sampled_token_ids, self.output_processor.check_stop)
-        advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
-        outputs = self.output_processor.make_outputs(advanced)
-        self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
-        return outputs
+        return output

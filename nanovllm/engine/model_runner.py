@@ -5,6 +5,7 @@ Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
 import gc
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -175,6 +176,39 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):
             return self.graph_runner.run(input_ids, positions, context)
         return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def run_decode_steps(self, seqs: list[Sequence], num_steps: int) -> list[ModelRunnerOutput]:
+        """Run `num_steps` decode steps of `seqs` back to back, with no host sync in between:
+        each step's sampled tokens feed the next on the device, positions and KV slots advance
+        there too. Returns one output per step (tokens past a sequence's end are dropped by
+        the caller). The block tables must already cover every step (Scheduler.extend_decode).
+        """
+        input_ids, positions, context, _ = self.prepare(seqs)
+        metadata = SamplingMetadata.build(seqs, self.model_config.vocab_size, self.device)
+        samples = []
+        for step in range(num_steps):
+            if step > 0:
+                input_ids, positions, context = self._advance_decode(samples[-1].token_ids, positions, context)
+                metadata.advance_seeds(seqs, step)
+            with set_context(context):
+                logits = self.model.compute_logits(self._forward(input_ids, positions, context))
+            samples.append(self.sampler(logits, metadata))
+        outputs = []
+        for sample in samples:  # the first .tolist() waits for the whole round
+            outputs.append(ModelRunnerOutput.empty(len(seqs)))
+            outputs[-1].add_samples(list(range(len(seqs))), seqs, sample)
+        return outputs
+
+    def _advance_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                        context: Context) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """The next decode step's inputs, computed on the device from this step's."""
+        positions = positions + 1                                              # [num_seqs]
+        blocks = context.block_tables.gather(1, (positions // self.block_size).unsqueeze(1)).squeeze(1)
+        slots = blocks.long() * self.block_size + positions % self.block_size  # [num_seqs]
+        context = replace(context, slot_mapping=slots, seq_lens_k=context.seq_lens_k + 1,
+                          max_seqlen_k=context.max_seqlen_k + 1)
+        return token_ids, positions, context
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> ModelRunnerOutput:

@@ -97,6 +97,11 @@ class SamplingMetadata:
         self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
                       if seq.sampling_params.seed is not None and not greedy[row]}
 
+    def advance_seeds(self, seqs: list[Sequence], step: int) -> None:
+        """Seeds of decode step `step` of a multi-step round (positions `step` tokens further)."""
+        self.seeds = {row: step_seed(seqs[row].sampling_params.seed, seqs[row].num_tokens + step)
+                      for row in self.seeds}
+
     def _add_penalties(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
         params = [seq.sampling_params for seq in seqs]
         rows, token_ids, in_prompt = _flat_token_ids([seq if p.has_penalties else None

@@ -84,6 +84,21 @@ class Scheduler:
                                f"{self.block_manager.num_blocks} blocks free): leaked blocks?")
         return scheduled
 
+    def extend_decode(self, seqs: list[Sequence], max_steps: int, max_model_len: int) -> int:
+        """How many decode steps the scheduled `seqs` may run back to back (multi-step).
+
+        Only a step of pure decodes with nobody waiting is extended (newcomers are
+        admitted at step boundaries). Each sequence gets KV slots for every step;
+        none may pass `max_model_len`. A sequence that finishes early wastes the
+        rest of its steps, whose tokens are dropped. Returns 1 when not extended.
+        """
+        if max_steps == 1 or self.waiting or any(s.num_uncomputed_tokens != 1 for s in seqs):
+            return 1
+        steps = min(max_steps, min(max_model_len - s.num_tokens + 1 for s in seqs))
+        if steps > 1 and all(self.block_manager.allocate_slots(s, steps) for s in seqs):
+            return steps
+        return 1
+
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """Find blocks for `seq`, preempting newer running sequences; False if `seq` itself went."""
         while not self.block_manager.allocate_slots(seq, num_tokens):
