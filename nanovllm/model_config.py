@@ -9,6 +9,7 @@ are rejected here with a clear error instead of giving silently wrong text.
 from dataclasses import dataclass, field
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_MAX_POSITIONS = 2048  # transformers' default max_position_embeddings for these families
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,22 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
                              f"of num_key_value_heads ({self.num_key_value_heads})")
 
+    @property
+    def max_model_len_limit(self) -> int:
+        """The longest context the model supports, with rope scaling's extension (as vLLM derives it).
+
+        Linear and yarn scaling stretch the positions the model was trained on by `factor`
+        (yarn from `original_max_position_embeddings`); llama3 configs already state the
+        extended length in max_position_embeddings.
+        """
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if scaling.get("rope_type") == "yarn":
+            return max(self.max_position_embeddings,
+                       int(scaling["original_max_position_embeddings"] * (scaling.get("factor") or 1.0)))
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf(cls, hf: dict, generation_config: dict | None = None) -> "ModelConfig":
         """Normalize an HF config.json dict (and generation_config.json, for EOS ids)."""
@@ -56,7 +73,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -86,10 +103,14 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported")
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "yarn" and not params.get("original_max_position_embeddings"):
+        # as transformers' standardize_rope_params: yarn scales from the config's own length
+        params["original_max_position_embeddings"] = hf.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)
     return float(theta), {"rope_type": rope_type, **params}
 
 

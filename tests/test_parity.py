@@ -24,6 +24,7 @@
 One LLM per (family, mode) is built lazily and shared by the whole module;
 after every test each of them must have every KV block free.
 """
+import copy
 import json
 import os
 import shutil
@@ -405,3 +406,17 @@ def test_legacy_rope_scaling_fields_are_read():
     inv_freq, _ = compute_inv_freq(16, cfg.rope_theta, cfg.rope_scaling, 1024)
     plain, _ = compute_inv_freq(16, cfg.rope_theta, None, 1024)
     torch.testing.assert_close(inv_freq, plain / 4.0)
+
+
+def test_yarn_without_original_length_scales_from_max_position_embeddings():
+    """transformers fills original_max_position_embeddings from the config; so must we, not
+    from the engine's max_model_len (the RoPE table length)."""
+    raw = {**TINY, "architectures": ["LlamaForCausalLM"], "num_attention_heads": 2, "head_dim": 32,
+           "max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    hf_config = LlamaConfig(**copy.deepcopy(raw))  # transformers fills in the dict it is given
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    inv_freq, factor = compute_inv_freq(32, cfg.rope_theta, cfg.rope_scaling, 64)
+    torch.testing.assert_close(inv_freq, hf_inv_freq.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(hf_factor)

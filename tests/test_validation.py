@@ -1,0 +1,270 @@
+"""Bad input (DESIGN.md §6, issue 3 item 7): a clear ValueError naming the value, nothing changed.
+
+Engine settings are checked before a model loads; model config fields the engine
+does not implement are refused at load; request errors (prompts, lengths,
+sampling values) are refused before anything is queued. After every request
+error the same engine still serves a good request, with HF's greedy tokens, and
+every KV block is free.
+"""
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.model_config import ModelConfig
+from tiny_models import TINY, hf_greedy, random_prompts
+
+FAMILY = "llama"
+MAX_MODEL_LEN = 64
+NUM_BLOCKS = 32            # room for 8 sequences of MAX_MODEL_LEN tokens
+GOOD_PROMPT = [5, 6, 7, 8, 9]
+GOOD_LEN = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=GOOD_LEN, ignore_eos=True)
+VOCAB = TINY["vocab_size"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_torch():
+    """Tiny models gain nothing from intra-op threads; spinning threads slow a shared machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model(FAMILY)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+               num_kvcache_blocks=NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def good_reference(tiny_model):
+    return hf_greedy(tiny_model(FAMILY)[1], GOOD_PROMPT, GOOD_LEN)
+
+
+@pytest.fixture
+def still_serves(llm, good_reference):
+    """After the test: nothing queued, every block free, and a good request still gets HF's tokens."""
+    yield llm
+    assert_idle(llm)
+    out, = llm.generate([GOOD_PROMPT], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == good_reference
+    assert_idle(llm)
+
+
+def assert_idle(llm: LLM) -> None:
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert [b.block_id for b in engine.block_manager.blocks if b.ref_count] == []
+
+
+def copy_model(src: str, dst, **config_updates) -> str:
+    """A copy of the model directory with config.json fields replaced (None deletes a field)."""
+    path = str(dst / "model")
+    shutil.copytree(src, path)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config.update(config_updates)
+    with open(config_path, "w") as f:
+        json.dump({k: v for k, v in config.items() if v is not None}, f)
+    return path
+
+
+# ---- engine settings ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_num_seqs=0), "max_num_seqs must be an int >= 1, got 0"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be an int >= 1, got 2.5"),
+    (dict(max_num_seqs=True), "max_num_seqs must be an int >= 1, got True"),
+    (dict(max_num_batched_tokens=-8), "max_num_batched_tokens must be an int >= 1, got -8"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1, got 0"),
+    (dict(kvcache_block_size=0), "kvcache_block_size must be an int >= 1, got 0"),
+    (dict(max_n=0), "max_n must be an int >= 1, got 0"),
+    (dict(max_model_len=0), "max_model_len must be >= 1, got 0"),
+    (dict(num_kvcache_blocks=0), "num_kvcache_blocks must be >= 1, got 0"),
+    (dict(kv_cache_memory_bytes=-1), "kv_cache_memory_bytes must be >= 1, got -1"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
+    (dict(gpu_memory_utilization=0), r"gpu_memory_utilization must be in \(0, 1\], got 0"),
+    (dict(device="tpu"), "device must be one of .*; got 'tpu'"),
+    (dict(dtype="int8"), "dtype must be one of .*; got 'int8'"),
+    (dict(load_format="pickle"), "load_format must be one of .*; got 'pickle'"),
+    (dict(max_num_seq=4), "unknown engine argument.*max_num_seq"),
+    (dict(block_size=16, foo=1), "unknown engine argument.*block_size, foo"),
+])
+def test_bad_engine_settings(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model_dir, **kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+
+
+def test_max_model_len_beyond_the_model(model_dir):
+    with pytest.raises(ValueError, match="max_model_len .*2048.* max_position_embeddings .*1024"):
+        LLM(model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=2048, num_kvcache_blocks=256)
+
+
+def test_max_model_len_may_use_the_yarn_extension(tiny_model, tmp_path):
+    """Qwen2.5 style: yarn factor 4 over 256 trained positions allows 1024, not more."""
+    path = copy_model(tiny_model("qwen2")[0], tmp_path, max_position_embeddings=256)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=1024, num_kvcache_blocks=64)
+    assert llm.llm_engine.max_model_len == 1024
+    with pytest.raises(ValueError, match="max_model_len 1025 is beyond .* 256 .*with rope scaling: 1024"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=1025, num_kvcache_blocks=65)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=3),       # 4 blocks of 16 needed
+    dict(kv_cache_memory_bytes=1),                                  # not even one block
+    dict(max_model_len=1024, kv_cache_memory_bytes=1 << 16),        # 8 blocks < 64
+])
+def test_kv_cache_too_small_for_one_sequence(model_dir, kwargs):
+    with pytest.raises(ValueError, match="KV cache too small"):
+        LLM(model_dir, dtype="float32", skip_tokenizer_init=True, **kwargs)
+
+
+def test_kv_cache_just_big_enough(model_dir, tiny_model):
+    small = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+                num_kvcache_blocks=MAX_MODEL_LEN // 16)
+    prompt = random_prompts([40], seed=11)[0]
+    out, = small.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_MODEL_LEN - 40,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model(FAMILY)[1], prompt, MAX_MODEL_LEN - 40)
+    assert_idle(small)
+
+
+# ---- model config fields the engine does not implement ------------------------------
+
+@pytest.mark.parametrize("updates,message", [
+    (dict(architectures=["MistralForCausalLM"]),
+     "'MistralForCausalLM' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    (dict(sliding_window=4096), "sliding window attention .*4096.* not supported"),
+    (dict(use_sliding_window=True, sliding_window=128), "sliding window attention .*128.* not supported"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types .*sliding_attention"),
+    (dict(mlp_bias=True), "mlp_bias=True is not supported"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+     "rope type 'dynamic' is not supported .*supported: default, linear, llama3, yarn"),
+    (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}),
+     "rope type 'longrope' is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5 is not supported"),
+    (dict(partial_rotary_factor=0.25), "partial_rotary_factor 0.25 is not supported"),
+    (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+])
+def test_unsupported_model_config(model_dir, tmp_path, updates, message):
+    path = copy_model(model_dir, tmp_path, **updates)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS)
+
+
+def test_qwen2_sliding_window_field_without_use_sliding_window_is_accepted(tiny_model, tmp_path):
+    """Qwen2 checkpoints carry `sliding_window` with `use_sliding_window: false`: full attention."""
+    src = tiny_model("qwen2")[0]
+    path = copy_model(src, tmp_path, use_sliding_window=False, sliding_window=32768)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS, max_model_len=64)
+    out, = llm.generate([GOOD_PROMPT], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model("qwen2")[1], GOOD_PROMPT, GOOD_LEN)
+
+
+def test_model_config_without_architectures():
+    hf = {**TINY, "num_key_value_heads": 2}
+    assert ModelConfig.from_hf(hf).architecture == "?"  # then the registry names the supported ones
+
+
+# ---- sampling settings ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+    (dict(temperature=math.nan), "temperature must be a finite number, got nan"),
+    (dict(temperature=math.inf), "temperature must be a finite number, got inf"),
+    (dict(temperature=-math.inf), "temperature must be a finite number, got -inf"),
+    (dict(temperature="0.7"), "temperature must be a finite number, got '0.7'"),
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=-3), "max_tokens must be >= 1, got -3"),
+    (dict(max_tokens=2.5), "max_tokens must be an int, got 2.5"),
+    (dict(ignore_eos="yes"), "ignore_eos must be a bool, got 'yes'"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_edge_values_are_accepted():
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(max_tokens=1).max_tokens == 1
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+# ---- requests --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt,message", [
+    ([], "the prompt is empty"),
+    ({"prompt_token_ids": []}, "the prompt is empty"),
+    ([5, VOCAB, 6], f"token id {VOCAB} is outside the vocabulary \\[0, {VOCAB}\\)"),
+    ([5, 10 ** 12], "token id 1000000000000 is outside the vocabulary"),
+    ([-1, 5], "token id -1 is outside the vocabulary"),
+    ([5, 2.0], "token id 2.0 is outside the vocabulary"),
+    ([5, "7"], "token id '7' is outside the vocabulary"),
+    ([True, 5], "token id True is outside the vocabulary"),
+    ([5] * MAX_MODEL_LEN, f"the prompt has {MAX_MODEL_LEN} tokens, but max_model_len is {MAX_MODEL_LEN}"),
+    ([5] * (MAX_MODEL_LEN + 100), f"the prompt has {MAX_MODEL_LEN + 100} tokens"),
+    ("hello", "text prompts need a tokenizer"),
+    ({"text": [5]}, "a dict prompt needs 'prompt' or 'prompt_token_ids'"),
+    (5.5, "a prompt must be a string, a list of token ids or a dict, got float"),
+])
+def test_bad_prompts(still_serves, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        still_serves.generate([prompt], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens", [(60, 5), (63, 2), (1, MAX_MODEL_LEN)])
+def test_prompt_plus_max_tokens_beyond_max_model_len(still_serves, prompt_len, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    with pytest.raises(ValueError, match=rf"prompt \({prompt_len} tokens\) \+ max_tokens \({max_tokens}\) "
+                                         rf"exceeds max_model_len \({MAX_MODEL_LEN}\)"):
+        still_serves.generate([[5] * prompt_len], params, use_tqdm=False)
+
+
+def test_longest_allowed_request_runs_to_max_model_len(still_serves, tiny_model):
+    prompt = random_prompts([MAX_MODEL_LEN - 4], seed=12)[0]
+    out, = still_serves.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                 use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model(FAMILY)[1], prompt, 4)
+    out, = still_serves.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                                 use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+def test_one_bad_prompt_queues_none_of_the_batch(still_serves):
+    prompts = [GOOD_PROMPT, [1, 2, 3], [5, -7], [8, 9]]
+    with pytest.raises(ValueError, match="token id -7"):
+        still_serves.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_params_list_of_the_wrong_length(still_serves):
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 3 prompts"):
+        still_serves.generate([GOOD_PROMPT] * 3, [GREEDY, GREEDY], use_tqdm=False)
+
+
+def test_bad_request_through_the_engine_api(still_serves):
+    engine = still_serves.llm_engine
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [VOCAB + 1])
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        engine.add_request("long", [5] * 10, SamplingParams(max_tokens=MAX_MODEL_LEN))
+    assert engine.step() == []
