@@ -77,15 +77,18 @@ def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
 
 
 class StepTimer:
-    """Wraps ModelRunner pieces to split each step's wall time: `prepare` (host, building
-    tensors), GPU time from the forward launch to the sampled ids (CUDA events), and the
-    rest (scheduling, postprocessing, outputs: host time the GPU waits for)."""
+    """Wraps ModelRunner pieces to split wall time: `prepare` (host, building tensors),
+    GPU time from the first forward launch of a `run` / `run_decode_steps` call to its
+    sampled ids (CUDA events), and the rest (scheduling, postprocessing, outputs: host
+    time the GPU waits for). `steps` counts decode steps (a multi-step round counts each)."""
 
     def __init__(self, runner):
-        self.steps, self.run_s, self.prepare_s, self.gpu_events = 0, 0.0, 0.0, []
-        self._run, self._prepare, self._forward = runner.run, runner.prepare, runner._forward
-        runner.run, runner.prepare, runner._forward = self._timed_run, self._timed_prepare, self._timed_forward
+        self.steps, self.run_s, self.prepare_s, self.gpu_events, self._pending = 0, 0.0, 0.0, [], None
         self.cuda = runner.device.type == "cuda"
+        self._prepare, self._forward = runner.prepare, runner._forward
+        runner.prepare, runner._forward = self._timed_prepare, self._timed_forward
+        runner.run = self._timed(runner.run)
+        runner.run_decode_steps = self._timed(runner.run_decode_steps)
 
     def _timed_prepare(self, seqs):
         start = time.perf_counter()
@@ -94,19 +97,23 @@ class StepTimer:
         return out
 
     def _timed_forward(self, *args):
-        if self.cuda:
-            self.gpu_events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
-            self.gpu_events[-1][0].record()
+        if self.cuda and self._pending is None:
+            self._pending = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._pending[0].record()
         return self._forward(*args)
 
-    def _timed_run(self, seqs):
-        start = time.perf_counter()
-        out = self._run(seqs)  # returns host ints: it waited for the GPU
-        if self.cuda:
-            self.gpu_events[-1][1].record()
-        self.run_s += time.perf_counter() - start
-        self.steps += 1
-        return out
+    def _timed(self, run):
+        def timed_run(seqs, num_steps=1):
+            start = time.perf_counter()
+            out = run(seqs) if num_steps == 1 else run(seqs, num_steps)  # host values: the GPU is done
+            if self._pending is not None:
+                self._pending[1].record()
+                self.gpu_events.append(self._pending)
+                self._pending = None
+            self.run_s += time.perf_counter() - start
+            self.steps += num_steps
+            return out
+        return timed_run
 
     def gpu_s(self) -> float:
         torch.cuda.synchronize()
@@ -120,6 +127,8 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--num-scheduler-steps", type=int, default=None,
+                    help="decode steps per scheduling round (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed run, profile a second run and print GPU time by kernel")
     args = ap.parse_args()
@@ -129,7 +138,7 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps)
     load_s = time.perf_counter() - t0
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16), use_tqdm=False)  # warm-up
     timer = StepTimer(llm.llm_engine.model_runner)
@@ -142,6 +151,7 @@ def main():
     gpu_s = timer.gpu_s() if timer.cuda else 0.0
     result = {"bench": "B1", "output_tokens": tokens, "seconds": round(elapsed, 3),
               "tok_per_s": round(tokens / elapsed, 1), "load_s": round(load_s, 2), "steps": timer.steps,
+              "num_scheduler_steps": llm.llm_engine.num_scheduler_steps,
               "ms_per_step": per_step(elapsed), "gpu_ms_per_step": per_step(gpu_s),
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),

@@ -66,11 +66,14 @@ def _map_name(model: nn.Module, name: str) -> tuple[str, object]:
 
 
 def load_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes; norms stay 1 so activations keep their scale."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes, drawn on the parameters' device; norms stay 1
+    so activations keep their scale."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
             continue
-        values = torch.rand(param.shape, generator=gen, dtype=torch.float32) * 2 - 1
-        param.data.copy_(values * DUMMY_WEIGHT_RANGE)
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        values = torch.rand(param.shape, generator=generators[param.device], device=param.device)
+        param.data.copy_(values * 2 - 1).mul_(DUMMY_WEIGHT_RANGE)
