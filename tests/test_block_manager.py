@@ -182,6 +182,19 @@ def test_hit_revives_a_freed_block(bm):
     bm.free(b)
 
 
+def test_num_cached_tokens_counts_the_first_admission_only(bm):
+    """After a preemption the sequence finds its own blocks again; that is not a cache hit to report."""
+    a = seq_of(list(range(9)))
+    prefill(bm, a)
+    a.append_token(9)
+    bm.free(a)                          # preempted: recomputed later
+    assert bm.allocate_slots(a, 2)
+    assert a.block_table == [0, 1, 3] and a.num_computed_tokens == 8
+    assert a.num_cached_tokens == 0
+    assert bm.num_prefix_hit_tokens == 8
+    bm.free(a)
+
+
 def test_revived_blocks_count_against_free_blocks(make_bm):
     bm = make_bm(num_blocks=3)
     a = seq_of(list(range(8)))

@@ -131,8 +131,9 @@ class BlockManager:
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make `seq.block_table` cover its computed tokens plus `num_new_tokens`.
 
-        On a sequence's first allocation, cached prefix blocks are taken first and
-        `seq.num_computed_tokens` / `seq.num_cached_tokens` advance past them.
+        On a sequence's first allocation (and again after a preemption), cached prefix
+        blocks are taken first and `seq.num_computed_tokens` advances past them;
+        `seq.num_cached_tokens` records them at the very first admission only.
         Returns False, changing nothing, when too few blocks are free.
         """
         admitting = not seq.block_table
@@ -150,8 +151,9 @@ class BlockManager:
             self._take(block_id)
         seq.block_table.extend(hits)
         seq.num_computed_tokens += num_cached_tokens
-        if admitting:
-            seq.num_cached_tokens = num_cached_tokens  # as of the latest admission
+        if admitting and not seq.admitted:  # as vLLM: prompt tokens the cache served at the first admission,
+            seq.num_cached_tokens = num_cached_tokens  # not what a recomputation after preemption finds
+            seq.admitted = True
         seq.block_table.extend(self._allocate_fresh() for _ in range(num_new_blocks))
         return True
 

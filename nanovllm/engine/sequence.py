@@ -36,7 +36,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # hash chain of full blocks, filled lazily
         self.num_registered_blocks = 0      # leading full blocks already offered to the prefix cache
         self.num_computed_tokens = 0    # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0      # of those, taken from the prefix cache at admission
+        self.num_cached_tokens = 0      # of those, taken from the prefix cache at the first admission
+        self.admitted = False           # True once the sequence first got KV blocks
         self.num_scheduled_tokens = 0   # tokens computed in the current step
 
     def __len__(self) -> int:
