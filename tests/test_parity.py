@@ -207,10 +207,22 @@ def test_greedy_matches_hf(family, tiny_model, engines, reference):
     check_batch(family, tiny_model, reference, llm, random_prompts(PROMPT_LENS, seed=1))
 
 
-def test_greedy_matches_hf_with_chunked_prefill(family, tiny_model, engines, reference):
+def test_greedy_matches_hf_with_chunked_prefill(family, tiny_model, engines, reference, monkeypatch):
     llm = engines(family, "chunked")
+    scheduler = llm.llm_engine.scheduler
+    steps = []   # per step: [(num_scheduled_tokens, is a decode)]
+
+    def recording_schedule(schedule=scheduler.schedule):
+        seqs = schedule()
+        steps.append([(s.num_scheduled_tokens, s.num_completion_tokens > 0) for s in seqs])
+        return seqs
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
     check_batch(family, tiny_model, reference, llm, random_prompts(PROMPT_LENS, seed=1))
-    assert llm.llm_engine.scheduler.max_num_batched_tokens == TINY_BUDGET
+    assert all(sum(n for n, _ in step) <= TINY_BUDGET for step in steps)
+    assert any(n > 1 for step in steps for n, decode in step if not decode), "no prefill chunk"
+    assert any(decode for step in steps for _, decode in step), "no decode"
+    mixed = [step for step in steps if any(d for _, d in step) and any(not d for _, d in step)]
+    assert mixed, "no step mixed decodes with a prefill chunk"
 
 
 def test_greedy_matches_hf_with_preemption(family, tiny_model, engines, reference):

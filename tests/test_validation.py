@@ -232,6 +232,30 @@ def test_bad_prompts(still_serves, prompt, message):
         still_serves.generate([prompt], GREEDY, use_tqdm=False)
 
 
+@pytest.fixture(scope="module")
+def text_llm(model_dir, tmp_path_factory):
+    """The same model with a word-level tokenizer: word "t<i>" is token i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    path = str(tmp_path_factory.mktemp("with-tokenizer") / "model")
+    shutil.copytree(model_dir, path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t1", unk_token="t0").save_pretrained(path)
+    return LLM(path, dtype="float32", max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n", {"prompt": ""}])
+def test_empty_text_prompt(text_llm, good_reference, prompt):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        text_llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert_idle(text_llm)
+    good = " ".join(f"t{i}" for i in GOOD_PROMPT)
+    out, = text_llm.generate([good], GREEDY, use_tqdm=False)
+    assert out.prompt_token_ids == GOOD_PROMPT and out.outputs[0].token_ids == good_reference
+    assert_idle(text_llm)
+
+
 @pytest.mark.parametrize("prompt_len,max_tokens", [(60, 5), (63, 2), (1, MAX_MODEL_LEN)])
 def test_prompt_plus_max_tokens_beyond_max_model_len(still_serves, prompt_len, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
