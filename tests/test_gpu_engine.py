@@ -1,7 +1,7 @@
 """The engine on a CUDA GPU: HF parity, CUDA graphs and the scheduling modes (skips without a GPU).
 
 - fp32: greedy ids of tiny random models equal HF transformers' run on the same GPU.
-- bf16: teacher-forced logprobs within BF16_LOGPROB_TOL of HF's bf16 run (both
+- bf16: teacher-forced logprobs within BF16_LOGPROB_MAX_TOL / _MEAN_TOL of HF's bf16 run (both
   round differently inside, so ids may part after a near-tie; logprobs may not).
 - CUDA-graph replay gives the same ids as eager; prefix caching, chunked prefill and
   preemption give the same ids as the plain run.
