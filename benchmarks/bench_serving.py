@@ -9,7 +9,10 @@ until --num-prompts requests have been sent; each request asks for exactly
 Per request: time to first token (TTFT: from sending the request to the first
 chunk with content), time per output token (TPOT: (last token time - first token
 time) / (tokens - 1)), errors. Reports median and p99 of both, requests/s and
-output tokens/s over the timed run, and prints a final JSON line.
+output tokens/s over the timed run, and prints a final JSON line. With
+--offline-baseline it also runs the same requests through `LLM.generate` in-process
+(after the server has stopped), so the server's overhead can be read off a shared,
+noisy machine as a ratio.
 
     PYTHONPATH=. python benchmarks/bench_serving.py --concurrency 16 --num-prompts 64 --max-tokens 64
 """
@@ -134,6 +137,30 @@ def summarize(results: list[dict], elapsed: float, args) -> dict:
             "first_errors": errors[:3]}
 
 
+def offline_tokens_per_s(args) -> float:
+    """The same requests through `LLM.generate` in this process, `--concurrency` at a time: the
+    engine's own speed on this machine now, to read the server's figures against."""
+    from nanovllm import LLM, SamplingParams
+    llm = LLM(args.model, max_num_seqs=args.concurrency, **json.loads(args.offline_engine_kwargs))
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                                             tokenize=False, add_generation_prompt=True)
+               for i in range(args.num_prompts)]
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.7)
+    result = []
+
+    def run():   # in a worker thread, as the server's engine loop (torch's CPU threading differs by thread)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        result.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return result[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=None, help="a running server; default: start one")
@@ -143,6 +170,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--show-server-log", action="store_true")
+    parser.add_argument("--offline-baseline", action="store_true",
+                        help="also time the same requests through LLM.generate, after the server stops")
+    parser.add_argument("--offline-engine-kwargs", default="{}", help="JSON engine kwargs for the baseline")
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
@@ -152,11 +182,18 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     summary = summarize(results, elapsed, args)
+    if args.offline_baseline:
+        offline = offline_tokens_per_s(args)
+        summary["offline_output_tokens_per_s"] = round(offline, 1)
+        summary["serving_over_offline"] = round(summary["output_tokens_per_s"] / offline, 3)
     print(f"B3 serving: {summary['completed']}/{args.num_prompts} requests ok, {summary['errors']} errors, "
           f"concurrency {args.concurrency}, {args.max_tokens} tokens each")
     print(f"  requests/s {summary['requests_per_s']}, output tokens/s {summary['output_tokens_per_s']}")
     print(f"  TTFT median {summary['ttft_median_ms']} ms, p99 {summary['ttft_p99_ms']} ms")
     print(f"  TPOT median {summary['tpot_median_ms']} ms, p99 {summary['tpot_p99_ms']} ms")
+    if args.offline_baseline:
+        print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
+              f"(serving / offline = {summary['serving_over_offline']})")
     print(json.dumps(summary))
 
 
