@@ -14,17 +14,18 @@ way rank 0 stops the whole group and raises `TensorParallelError` naming the ran
 instead of waiting forever (gloo also fails rank 0's pending collective at once
 when a peer's sockets close).
 
-Shut-down (`shutdown()`, garbage collection, or interpreter exit through
-`weakref.finalize`): an "exit" command, a bounded join, then terminate/kill for
+Shut-down (`shutdown()`, garbage collection, or interpreter exit through a
+multiprocessing finalizer): an "exit" command, a bounded join, then terminate/kill for
 any straggler; the process group is destroyed and the segment unlinked. Workers
 also leave on their own when rank 0's process disappears.
 """
 import multiprocessing as mp
 import os
 import signal
+import sys
 import traceback
-import weakref
 from multiprocessing.connection import wait as wait_for_ready
+from multiprocessing.util import Finalize
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,7 @@ REPLY_TIMEOUT_S = 600.0
 FAILURE_GRACE_S = 5.0   # after rank 0's own call fails: time for a worker's report to arrive
 EXIT_TIMEOUT_S = 10.0   # how long a worker gets to leave after "exit" before it is terminated
 KILL_TIMEOUT_S = 5.0    # ... and after SIGTERM before SIGKILL
+FINALIZER_PRIORITY = 10  # any value >= 0 runs before multiprocessing joins children at exit
 
 
 class TensorParallelError(RuntimeError):
@@ -59,7 +61,9 @@ class RankGroup:
         ctx = mp.get_context("spawn")
         store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False)
         self._res = _Resources(ShmChannel.create(ctx, world_size - 1), store)
-        self._finalizer = weakref.finalize(self, self._res.stop)  # also runs at interpreter exit
+        # runs on shutdown(), on garbage collection, or at interpreter exit before multiprocessing
+        # joins its children (a priority >= 0 finalizer; a plain atexit hook could run too late)
+        self._finalizer = Finalize(self, self._res.stop, exitpriority=FINALIZER_PRIORITY)
         try:
             self._res.share_cpu_cores(device)
             for rank in range(1, world_size):
@@ -106,7 +110,7 @@ class RankGroup:
     def _check_usable(self) -> None:
         if self._error is not None:
             raise TensorParallelError(f"the tensor-parallel group has stopped: {self._error}")
-        if not self._finalizer.alive:
+        if not self._finalizer.still_active():
             raise TensorParallelError("this engine has been shut down")
 
     def _wait_replies(self, what: str) -> None:
@@ -184,7 +188,7 @@ class _Resources:
         if device.type != "cpu":
             return
         self.saved_num_threads = torch.get_num_threads()
-        world_size = len(self.channel.events) + 1
+        world_size = len(self.channel.doorbells) + 1
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
 
     def stop(self) -> None:
@@ -239,7 +243,9 @@ def _worker_main(rank: int, world_size: int, port: int, device: torch.device, nu
     channel.close()
     if code == 0:
         destroy_distributed()
-    raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # all this process owns is released above; skip ~1 s of interpreter teardown
 
 
 def _report(conn, message: tuple) -> None:

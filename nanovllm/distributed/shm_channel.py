@@ -1,8 +1,13 @@
 """ShmChannel: rank 0 broadcasts commands to the worker ranks through shared memory.
 
-Rank 0 pickles each command once into a SharedMemory segment and sets one Event
-per worker; each worker waits on its own Event, reads the command and clears the
-Event. Segment layout: [u64 payload length][payload bytes].
+Rank 0 pickles each command once into a SharedMemory segment and rings one
+doorbell per worker; each worker waits on its own doorbell, then reads the
+command. Segment layout: [u64 payload length][payload bytes].
+
+A doorbell is a multiprocessing Semaphore used as a one-shot event (release =
+set, acquire = wait and clear). Not a multiprocessing.Event: its `set()` waits
+for sleeping waiters to wake, so it blocks forever once a waiter was killed;
+releasing a semaphore never blocks.
 
 The segment's name is chosen by the OS-backed `SharedMemory(create=True)` (random,
 unique per engine), never fixed. A command larger than the segment moves the
@@ -30,21 +35,21 @@ WAIT_POLL_S = 1.0  # how often a waiting worker checks that rank 0 is still aliv
 
 
 class ShmChannel:
-    def __init__(self, shm: shared_memory.SharedMemory, events: list, owner: bool):
+    def __init__(self, shm: shared_memory.SharedMemory, doorbells: list, owner: bool):
         self.shm = shm
-        self.events = events  # rank 0: one Event per worker; a worker: [its own Event]
-        self.owner = owner    # rank 0 created (and will unlink) the segment
+        self.doorbells = doorbells  # rank 0: one per worker; a worker: [its own]
+        self.owner = owner          # rank 0 created (and will unlink) the segment
 
     # ---- rank 0 ---------------------------------------------------------------
 
     @classmethod
-    def create(cls, mp_context, num_workers: int, size: int = INITIAL_BYTES) -> "ShmChannel":
-        events = [mp_context.Event() for _ in range(num_workers)]
-        return cls(_new_segment(size), events, owner=True)
+    def create(cls, mp_context, num_workers: int, size: int | None = None) -> "ShmChannel":
+        doorbells = [mp_context.Semaphore(0) for _ in range(num_workers)]
+        return cls(_new_segment(size or INITIAL_BYTES), doorbells, owner=True)
 
     def worker_handle(self, worker: int) -> tuple[str, object]:
-        """What worker `worker` (0-based among the workers) needs to attach: (segment name, its Event)."""
-        return self.shm.name, self.events[worker]
+        """What worker `worker` (0-based among the workers) needs to attach: (segment name, its doorbell)."""
+        return self.shm.name, self.doorbells[worker]
 
     def send(self, command: object, wait_for_workers: Callable[[], None]) -> None:
         """Broadcast `command` to every worker; grows the segment first if it does not fit."""
@@ -56,8 +61,8 @@ class ShmChannel:
     def _write(self, data: bytes) -> None:
         self.shm.buf[:HEADER_BYTES] = len(data).to_bytes(HEADER_BYTES, "little")
         self.shm.buf[HEADER_BYTES:HEADER_BYTES + len(data)] = data
-        for event in self.events:
-            event.set()
+        for doorbell in self.doorbells:
+            doorbell.release()
 
     def _grow(self, needed: int, wait_for_workers: Callable[[], None]) -> None:
         new = _new_segment(1 << (needed - 1).bit_length())  # the next power of two
@@ -75,19 +80,16 @@ class ShmChannel:
     # ---- a worker -------------------------------------------------------------
 
     @classmethod
-    def attach(cls, name: str, event) -> "ShmChannel":
-        return cls(shared_memory.SharedMemory(name), [event], owner=False)
+    def attach(cls, name: str, doorbell) -> "ShmChannel":
+        return cls(shared_memory.SharedMemory(name), [doorbell], owner=False)
 
     def receive(self, is_rank0_alive: Callable[[], bool]) -> tuple[str, tuple] | None:
         """Wait for the next (method, args) command; None if rank 0 is gone."""
-        event = self.events[0]
-        while not event.wait(WAIT_POLL_S):
+        while not self.doorbells[0].acquire(timeout=WAIT_POLL_S):
             if not is_rank0_alive():
                 return None
         n = int.from_bytes(self.shm.buf[:HEADER_BYTES], "little")
-        command = pickle.loads(self.shm.buf[HEADER_BYTES:HEADER_BYTES + n])
-        event.clear()
-        return command
+        return pickle.loads(self.shm.buf[HEADER_BYTES:HEADER_BYTES + n])
 
     def _reattach(self, name: str) -> None:
         old, self.shm = self.shm, shared_memory.SharedMemory(name)

@@ -13,14 +13,24 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sequence import Sequence
 from nanovllm.model_config import ModelConfig
+from nanovllm.layers.linear import kv_heads_per_rank
 from nanovllm.utils.device import resolve_device
+from nanovllm.utils.parallel import divide
 
 
 def make_model_runner(config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int):
     """A plain ModelRunner for one rank; a TPModelRunner (N processes) for tensor_parallel_size N > 1."""
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, source, model_config, max_model_len)
+    check_splittable(model_config, config.tensor_parallel_size)
     return TPModelRunner(config, source, model_config, max_model_len)
+
+
+def check_splittable(model_config: ModelConfig, tp_size: int) -> None:
+    """The layers' own checks, made before any process starts: a ValueError naming the count."""
+    divide(model_config.num_attention_heads, tp_size, "num_attention_heads")
+    kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
+    divide(model_config.intermediate_size, tp_size, "intermediate_size")
 
 
 class TPModelRunner:
