@@ -26,6 +26,7 @@ after every test each of them must have every KV block free.
 """
 import copy
 import json
+import math
 import os
 import shutil
 from dataclasses import replace
@@ -37,6 +38,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.rotary_embedding import compute_inv_freq
 from nanovllm.model_config import ModelConfig
 from nanovllm.utils.context import set_context
@@ -237,6 +239,18 @@ def test_greedy_matches_hf_with_preemption(family, tiny_model, engines, referenc
     # no prompt shares a block with another: nothing was served from the cache at admission,
     # whatever the recomputation after a preemption found there (vLLM counts the first admission)
     assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
+
+
+def test_greedy_matches_hf_with_a_poisoned_kv_cache(family, tiny_model, reference):
+    """Slots a sequence does not own (the rest of its last block, other blocks) may hold
+    anything, NaN included (the cache is allocated with torch.empty): they must not count."""
+    path, _ = tiny_model(family)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **MODES["plain"])
+    for module in llm.llm_engine.model_runner.model.modules():
+        if isinstance(module, Attention):
+            module.k_cache.fill_(math.nan)
+            module.v_cache.fill_(math.nan)
+    check_batch(family, tiny_model, reference, llm, random_prompts(PROMPT_LENS, seed=1))
 
 
 def test_greedy_matches_hf_with_prefix_cache_hits(family, tiny_model, engines, reference):
