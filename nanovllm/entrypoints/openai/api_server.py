@@ -83,7 +83,7 @@ def add_engine_args(group) -> None:
             continue
         flags = [f"--{f.name.replace('_', '-')}", *ENGINE_ARG_ALIASES.get(f.name, [])]
         help_text = ENGINE_ARG_HELP.get(f.name, f"engine setting {f.name}")
-        if f.default is not MISSING:
+        if f.default is not MISSING and f.default is not None:
             help_text += f" (default {f.default})"
         base = _base_type(f.type)
         if base is bool:
@@ -310,6 +310,8 @@ def main(args: argparse.Namespace) -> None:
         import uvicorn
         from nanovllm.engine.async_llm import AsyncLLM
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
+        if args.chat_template is not None:
+            load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
         async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs_from_args(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
     except (ValueError, OSError, ImportError) as e:

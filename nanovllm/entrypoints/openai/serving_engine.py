@@ -149,12 +149,14 @@ class OpenAIServing:
                 "bytes": list(text.encode("utf-8"))}
 
 
-def _param_of(message: str, request_id: str) -> str:
-    """The request field an engine error is about: the sampling field it starts with, else the prompt."""
-    first_word = message.split(" ", 1)[0]
-    if first_word in SAMPLING_FIELDS or first_word == "max_tokens":
-        return first_word
-    return "messages" if request_id.startswith("chatcmpl") else "prompt"
+def _param_of(message: str, request_id: str) -> str | None:
+    """The request field an engine error names ("n must be <= max_n ..."), the prompt, or None."""
+    words = message.split(" ", 2)
+    if len(words) > 1 and words[1] == "must" and (words[0] in SAMPLING_FIELDS or words[0] == "max_tokens"):
+        return words[0]
+    if message.startswith(("prompt", "the prompt", "token id", "sequence of")):
+        return "messages" if request_id.startswith("chatcmpl") else "prompt"
+    return None
 
 
 def new_request_id(prefix: str) -> str:
