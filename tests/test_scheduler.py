@@ -353,3 +353,39 @@ def test_abort_a_preempted_sequence(make_sched):
     sched.finish(b, "abort")
     run_all(sched, model)
     assert a.completion_token_ids == reference_completion(a.prompt_token_ids, 3)
+
+
+# ---- multi-step decode rounds ------------------------------------------------------------
+
+def decoding_pair(sched: Scheduler, model: FakeModel) -> tuple[Sequence, Sequence]:
+    """Two sequences of 7 tokens (2 blocks each), both past their prompt and decoding."""
+    a, b = seq_of(list(range(6)), 5), seq_of(list(range(100, 106)), 5)
+    sched.add(a)
+    sched.add(b)
+    step(sched, model)
+    assert sched.schedule() == [a, b]
+    return a, b
+
+
+def test_extend_decode_is_all_or_nothing(make_sched):
+    sched = make_sched(num_blocks=5)
+    a, b = decoding_pair(sched, FakeModel())
+    assert [a.block_table, b.block_table] == [[0, 1], [2, 3]]
+    # 4 steps: tokens 6..9 -> both need a 3rd block, only one is free
+    assert sched.extend_decode([a, b], 4, max_model_len=64) == 1
+    assert [a.block_table, b.block_table] == [[0, 1], [2, 3]]   # nobody kept a block
+    assert sched.extend_decode([a, b], 2, max_model_len=64) == 2  # tokens 6, 7: no new block
+    for s in (a, b):
+        sched.finish(s, "abort")
+
+
+def test_extend_decode_allocates_every_step_and_respects_max_model_len(make_sched):
+    sched = make_sched(num_blocks=8)
+    a, b = decoding_pair(sched, FakeModel())
+    assert sched.extend_decode([a, b], 8, max_model_len=10) == 4    # 7 tokens + 4 steps - 1 = max_model_len
+    assert [len(a.block_table), len(b.block_table)] == [3, 3]       # slots for positions 6..9
+    sched.add(seq_of([1, 2]))
+    assert sched.extend_decode([a, b], 8, max_model_len=64) == 1    # someone waits: plain steps
+    sched.finish(sched.waiting[0], "abort")
+    for s in (a, b):
+        sched.finish(s, "abort")

@@ -95,9 +95,17 @@ class Scheduler:
         if max_steps == 1 or self.waiting or any(s.num_uncomputed_tokens != 1 for s in seqs):
             return 1
         steps = min(max_steps, min(max_model_len - s.num_tokens + 1 for s in seqs))
-        if steps > 1 and all(self.block_manager.allocate_slots(s, steps) for s in seqs):
-            return steps
-        return 1
+        if steps == 1 or self._num_new_blocks(seqs, steps) > self.block_manager.num_free_blocks:
+            return 1  # all or nothing: no sequence keeps blocks for a round that does not run
+        for seq in seqs:
+            allocated = self.block_manager.allocate_slots(seq, steps)
+            assert allocated, "the blocks counted above must suffice"
+        return steps
+
+    def _num_new_blocks(self, seqs: list[Sequence], num_tokens: int) -> int:
+        """Blocks that running `seqs` need to compute `num_tokens` more tokens each."""
+        bs = self.block_manager.block_size
+        return sum(max(0, -(-(s.num_computed_tokens + num_tokens) // bs) - len(s.block_table)) for s in seqs)
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int) -> bool:
         """Find blocks for `seq`, preempting newer running sequences; False if `seq` itself went."""
