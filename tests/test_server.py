@@ -198,6 +198,11 @@ def test_completion_echo_and_batched_prompts(server, client):
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompts[0]}, headers=AUTH).json()["tokens"]
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0)
     assert prompts[0] + by_ids.choices[0].text == out.choices[0].text   # token-id prompts work alike
+    with_lp = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                        logprobs=1).choices[0].logprobs
+    assert len(with_lp.tokens) == len(ids) + 3 and "".join(with_lp.tokens[:len(ids)]) == prompts[0]
+    assert with_lp.token_logprobs[0] is None and with_lp.top_logprobs[0] is None   # nothing before it
+    assert all(lp is not None and lp <= 0 for lp in with_lp.token_logprobs[1:])
 
 
 def test_n2_gives_two_choices(client):
@@ -438,6 +443,18 @@ def test_load_with_half_dropped_streams(server, client):
     assert end["nanovllm:num_requests_running"] == end["nanovllm:num_requests_waiting"] == 0
 
 
+def test_prefix_cache_hits_in_metrics(server, client):
+    before = server.metrics()
+    prompt = "A shared system prompt that is long enough to fill two KV blocks of sixteen tokens, " * 2
+    for _ in range(2):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    after = server.metrics()
+    num_prompt = len(_tokenize(server, prompt))
+    assert after["nanovllm:prefix_cache_queries_total"] - before["nanovllm:prefix_cache_queries_total"] == 2 * num_prompt
+    hits = after["nanovllm:prefix_cache_hits_total"] - before["nanovllm:prefix_cache_hits_total"]
+    assert hits >= (num_prompt - 1) // 16 * 16 > 0   # the second request reused every full block
+
+
 def test_metrics_and_throughput_log(server):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_free", "kv_cache_blocks_used",
@@ -449,6 +466,9 @@ def test_metrics_and_throughput_log(server):
     buckets = re.findall(r'nanovllm:time_to_first_token_seconds_bucket\{le="([^"]+)"\} (\d+)', text)
     counts = [int(c) for _, c in buckets]
     assert counts == sorted(counts) and buckets[-1][0] == "+Inf"
+    deadline = time.monotonic() + 10   # written every second (--log-stats-interval 1) after activity
+    while not any("Avg generation throughput" in line for line in server.log) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert any("Avg generation throughput" in line for line in server.log)
 
 
