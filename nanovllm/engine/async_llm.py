@@ -8,7 +8,7 @@ arrived, joins the same continuous batch. Callers live on one asyncio event loop
     async for out in stream:          # each step's new tokens (vLLM's DELTA outputs)
         print(out.outputs[0].text, end="")
 
-or `async for out in llm.generate(prompt, params)`. Leaving the loop early (a
+or `async for out in llm.generate(prompt, params, "req-2")`. Leaving the loop early (a
 client that disconnects, a cancelled task) aborts the request, which frees its KV
 blocks at the engine's next loop turn, at most one step later.
 
@@ -198,7 +198,7 @@ class AsyncLLM:
         return done
 
     def shutdown(self) -> None:
-        """Abort every request, stop the engine thread and wait for it."""
+        """Abort every request, stop the engine thread (and the engine's workers) and wait for it."""
         if self.dead_error is None:
             self.dead_error = EngineDeadError("the engine is shutting down")
         num_aborted = len(self._streams)
@@ -269,6 +269,10 @@ class AsyncLLM:
                 self._step()
             self._throughput.maybe_log(self.engine)
         self._abort_all_in_engine()
+        try:
+            self.engine.shutdown()   # tensor-parallel worker processes, if any
+        except Exception:
+            logger.exception("engine shutdown failed")
 
     def _run_commands(self, block: bool) -> bool:
         """Run queued commands (waiting a little for one if `block`); False on stop."""
