@@ -314,7 +314,10 @@ def main(args: argparse.Namespace) -> None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
         async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs_from_args(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
-    except (ValueError, OSError, ImportError) as e:
+    except ImportError as e:
+        raise SystemExit(f"nanovllm serve: error: the server needs fastapi, uvicorn and jinja2 "
+                         f"(pip install fastapi uvicorn jinja2): {e}") from None
+    except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
     names = args.served_model_name or [default_model_name(args.model, async_llm)]
     app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes)
