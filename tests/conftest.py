@@ -3,9 +3,20 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_threaded_torch():
+    """Tiny models gain nothing from intra-op threads, and the tests that start servers or
+    workers run beside this process: spin-waiting OpenMP threads made steps ~20x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

@@ -63,20 +63,9 @@ MODES = {
     "preempt": dict(num_kvcache_blocks=PREEMPT_NUM_BLOCKS, max_model_len=PREEMPT_MAX_MODEL_LEN),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=GEN_LEN, ignore_eos=True)
-# Tiny models gain nothing from intra-op threads, and on a shared, loaded machine
-# OpenMP threads that spin-wait for each other make each step ~20x slower.
-TORCH_THREADS = 1
 
 
 # ---- fixtures ------------------------------------------------------------------
-
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    yield
-    torch.set_num_threads(saved)
-
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):

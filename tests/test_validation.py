@@ -12,7 +12,6 @@ import os
 import shutil
 
 import pytest
-import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.model_config import ModelConfig
@@ -25,15 +24,6 @@ GOOD_PROMPT = [5, 6, 7, 8, 9]
 GOOD_LEN = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=GOOD_LEN, ignore_eos=True)
 VOCAB = TINY["vocab_size"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    """Tiny models gain nothing from intra-op threads; spinning threads slow a shared machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
