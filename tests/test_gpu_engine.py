@@ -26,6 +26,7 @@ NEW_TOKENS = 32
 BF16_LOGPROB_MAX_TOL = 0.5
 BF16_LOGPROB_MEAN_TOL = 0.03
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]
+MAX_NUM_SEQS = 16  # CUDA graphs are captured for batch sizes up to this: few, so start-up stays short
 GPU_MEMORY_UTILIZATION = 0.3  # a failed test's frame may keep its engine alive: leave room for others
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -35,6 +36,7 @@ def _generate(path, prompts, **kwargs):
 
     The engine is dropped on return: each one sizes its KV cache from the free GPU memory.
     """
+    kwargs.setdefault("max_num_seqs", MAX_NUM_SEQS)
     llm = LLM(path, skip_tokenizer_init=True, device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
               **kwargs)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -94,7 +96,7 @@ def _engine_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:
 
 def test_bf16_teacher_forced_logprobs_close_to_hf(tiny_model, family, prompts):
     path, _ = tiny_model(family)
-    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", enforce_eager=True,
               gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
     hf_bf16 = _hf_on_gpu(path, torch.bfloat16)
     for prompt in prompts:

@@ -18,7 +18,7 @@ PROMPTS = random_prompts([5, 17, 33, 9], seed=3)
 def engines(tiny_model):
     path, hf = tiny_model("qwen3")
     make = lambda steps: LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,  # noqa: E731
-                             num_scheduler_steps=steps)
+                             num_scheduler_steps=steps, max_num_seqs=len(PROMPTS))
     return make(1), make(STEPS), hf
 
 
