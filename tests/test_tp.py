@@ -214,6 +214,23 @@ def test_tp2_with_preemption_chunked_prefill_and_a_growing_channel(tp_model, mon
     _assert_no_group_here()
 
 
+def test_gguf_tensors_are_sliced_after_dequantizing(tmp_path):
+    """Quantized blocks do not split at shard boundaries: each rank dequantizes whole tensors
+    (and un-permutes Llama's q/k) and keeps its slice. TP=2 must give TP=1's tokens."""
+    pytest.importorskip("gguf")
+    from test_gguf import write_tiny_gguf
+    hf = build_tiny_model("llama", str(tmp_path / "hf"), rope_scaling=None)  # HF's GGUF reader drops it
+    path = str(tmp_path / "tiny-llama.gguf")
+    write_tiny_gguf(hf, "llama", path, quantize=True)
+    prompts = random_prompts([5, 17, 33])
+    with LLM(path, **ENGINE) as llm:
+        expected = _generate(llm, prompts)
+    assert len(set(expected[0])) >= 6
+    with LLM(path, tensor_parallel_size=TP, **ENGINE) as llm:
+        assert _generate(llm, prompts) == expected
+    _assert_no_group_here()
+
+
 # ---- failures and clean exits ------------------------------------------------------
 
 @pytest.mark.parametrize("when", ["between-steps", "any-time"])

@@ -25,8 +25,8 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import wait as wait_for_ready
-from multiprocessing.util import Finalize
-from typing import Any, Callable
+from multiprocessing.util import Finalize, _exit_function as run_process_finalizers
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,9 +72,9 @@ class RankGroup:
             init_distributed(0, world_size, store.port, device)
             self._res.joined = True
             self.driver = factory(*args, rank=0)
+            self._wait_replies("start-up")  # ready: every worker built its object
         except BaseException as exc:
-            raise self._fail("start-up", exc) from exc
-        self._wait_replies("start-up")  # ready: every worker built its object
+            self._raise_failure("start-up", exc)
 
     def _spawn(self, ctx, rank: int, port: int, device: torch.device, factory, args) -> None:
         parent_end, child_end = ctx.Pipe(duplex=False)
@@ -98,13 +98,13 @@ class RankGroup:
         Workers get `worker_args` when given (e.g. a lighter copy of `args`), else `args`.
         """
         self._check_usable()
-        self._res.channel.send((method, args if worker_args is None else worker_args),
-                               lambda: self._wait_replies(method))
         try:
+            self._res.channel.send((method, args if worker_args is None else worker_args),
+                                   lambda: self._wait_replies(method))
             result = getattr(self.driver, method)(*args)
-        except BaseException as exc:
-            raise self._fail(method, exc) from exc
-        self._wait_replies(method)
+            self._wait_replies(method)
+        except BaseException as exc:  # whatever it was (Ctrl-C too), the ranks are out of step now
+            self._raise_failure(method, exc)
         return result
 
     def _check_usable(self) -> None:
@@ -141,8 +141,14 @@ class RankGroup:
             return None
         return f"tensor-parallel rank {rank} (pid {process.pid}) raised during {what!r}:\n{detail}"
 
+    def _raise_failure(self, what: str, exc: BaseException) -> NoReturn:
+        error = self._fail(what, exc)
+        if error is exc:
+            raise exc
+        raise error from exc
+
     def _fail(self, what: str, exc: BaseException) -> BaseException:
-        """Rank 0's own part raised: stop the group; blame a worker if one failed too.
+        """A call failed: stop the group; blame a worker if one failed too.
 
         A RuntimeError on rank 0 is how a collective reports a lost peer, so then a
         worker's report (arriving within FAILURE_GRACE_S) is the real cause. Other
@@ -229,6 +235,7 @@ def _worker_main(rank: int, world_size: int, port: int, device: torch.device, nu
                  channel_handle: tuple, conn, factory: Callable[..., Any], args: tuple) -> None:
     """Body of worker process `rank`: join, build the runner, serve commands until "exit"."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us
+    os.environ["TQDM_DISABLE"] = "1"  # progress bars (weight loading) from rank 0 only
     torch.set_num_threads(num_threads)  # as many as rank 0 (see _Resources.share_cpu_cores)
     channel = ShmChannel.attach(*channel_handle)
     try:
@@ -243,6 +250,7 @@ def _worker_main(rank: int, world_size: int, port: int, device: torch.device, nu
     channel.close()
     if code == 0:
         destroy_distributed()
+    run_process_finalizers()  # as a returning process would (e.g. unlinks named semaphores)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # all this process owns is released above; skip ~1 s of interpreter teardown
