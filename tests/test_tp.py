@@ -173,6 +173,24 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+LOGPROBS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+LOGPROB_TOLERANCE = 1e-4  # fp32; TP sums the row-parallel partial products in another order
+
+
+def _logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[list[tuple[int, float]]]]:
+    """Per request, per position (prompt, then completion): (token id, logprob) sorted by id."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], LOGPROBS, use_tqdm=False)
+    return [[sorted((t, lp.logprob) for t, lp in entry.items())
+             for entry in out.prompt_logprobs[1:] + out.outputs[0].logprobs] for out in outs]
+
+
+def _assert_logprobs_close(got, expected) -> None:
+    assert [[[t for t, _ in e] for e in r] for r in got] == [[[t for t, _ in e] for e in r] for r in expected]
+    values = torch.tensor([lp for r in got for e in r for _, lp in e])
+    assert torch.allclose(values, torch.tensor([lp for r in expected for e in r for _, lp in e]),
+                          atol=LOGPROB_TOLERANCE, rtol=0)
+
+
 def test_tp2_matches_tp1_and_hf(tp_model, family):
     path, hf = tp_model(family)
     prompts = random_prompts([5, 17, 33])
@@ -180,6 +198,7 @@ def test_tp2_matches_tp1_and_hf(tp_model, family):
     assert all(len(set(ref)) >= 6 for ref in refs)  # varied continuations, not one repeated token
     with LLM(path, **ENGINE) as llm:
         assert _generate(llm, prompts) == refs
+        tp1_logprobs = _logprobs(llm, prompts)
     # second round: the first prompts extended, so their full blocks come from the prefix cache
     longer = [p + q for p, q in zip(prompts, random_prompts([20, 20, 20], seed=1))]
     longer_refs = [hf_greedy(hf, p, NEW_TOKENS) for p in longer]
@@ -190,6 +209,7 @@ def test_tp2_matches_tp1_and_hf(tp_model, family):
         outs = llm.generate(longer, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == longer_refs
         assert sum(o.num_cached_tokens for o in outs) >= 16  # at least one block was a cache hit
+        _assert_logprobs_close(_logprobs(llm, prompts), tp1_logprobs)  # the LM head's gather, per prompt token
         assert llm.llm_engine.block_manager.num_free_blocks == 64
     _assert_gone(pids, shm_names)
     _assert_no_group_here()

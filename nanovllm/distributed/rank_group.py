@@ -200,7 +200,10 @@ class _Resources:
     def stop(self) -> None:
         """Workers gone (asked, else terminated, else killed), group destroyed, segment unlinked."""
         if self.graceful and all(p.is_alive() for p in self.processes):
-            self.channel.send((EXIT, ()), lambda: None)
+            try:
+                self.channel.send((EXIT, ()), lambda: None)
+            except Exception:  # they are terminated below instead
+                self.graceful = False
         timeout = EXIT_TIMEOUT_S if self.graceful else 0
         for process in self.processes:
             process.join(timeout)

@@ -7,10 +7,13 @@ the real `Sequence`s (it samples); the workers get `StepSeq`s: only what
 scheduled token ids, not the whole history), so a step's command stays small
 however long the sequences are.
 """
+import inspect
+
 from nanovllm.config import Config
 from nanovllm.distributed.rank_group import RankGroup
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.model_source import ModelSource
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.model_config import ModelConfig
 from nanovllm.layers.linear import kv_heads_per_rank
@@ -47,13 +50,13 @@ class TPModelRunner:
         if driver is None:
             raise AttributeError(name)
         value = getattr(driver, name)
-        if callable(value):
+        if inspect.ismethod(value):
             raise AttributeError(f"{name!r}: call ModelRunner methods on every rank, through "
                                  f"TPModelRunner.group.call({name!r}, ...)")
         return value
 
-    def run(self, seqs: list[Sequence]) -> list[int | None]:
-        """One scheduled step on every rank; returns rank 0's sampled tokens."""
+    def run(self, seqs: list[Sequence]) -> ModelRunnerOutput:
+        """One scheduled step on every rank; returns rank 0's output (only rank 0 samples)."""
         return self.group.call("run", (seqs,), (StepSeqs(seqs),))
 
     def shutdown(self) -> None:
