@@ -17,6 +17,7 @@ from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadat
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import build_step_inputs
 from nanovllm.kernels import get_attention_backend
+from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.model_config import ModelConfig
@@ -62,6 +63,8 @@ class ModelRunner:
             load_dummy_weights(model, self.config.seed)
         else:
             load_named_weights(model, source.named_weights())
+        if self.device.type == "cpu":
+            use_column_major_weights(model)  # faster matrix-vector products (kernels/cpu_linear.py)
         Attention.backend = get_attention_backend(self.device.type)
         return model.eval()
 

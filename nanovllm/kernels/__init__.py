@@ -10,7 +10,7 @@ def get_attention_backend(device_type: str) -> ModuleType:
     if device_type == "cuda":
         from nanovllm.kernels import triton_attn
         return triton_attn
-    if device_type == "cpu":
-        from nanovllm.kernels import torch_ref
-        return torch_ref
+    if device_type == "cpu":  # decode steps batched; prefill by torch_ref, the plain reference
+        from nanovllm.kernels import cpu_attn
+        return cpu_attn
     raise ValueError(f"no attention backend for device type {device_type!r} (supported: cpu, cuda)")

@@ -1,0 +1,214 @@
+"""B2: CPU throughput, nano-vLLM against HF transformers on the same weights (DESIGN.md §5).
+
+SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized), 64 chat prompts,
+128 new tokens each (`ignore_eos`; HF with `min_new_tokens`), greedy, in one run:
+
+1. dtype for HF: a short probe of HF `generate` in fp32 and in bf16; the faster one
+   is used for the full HF run (on CPUs without AMX / AVX512-BF16, fp32).
+2. load time of each engine (HF loads the same file with `gguf_file=`).
+3. output throughput: all 64 prompts in one batched call (HF: left padding).
+4. single-prompt decode: tok/s of 128 decode steps of one prompt (the time of a
+   129-token generation minus that of a 1-token one, so prefill is left out).
+5. the matmul floor: the time of the model's matrix products alone (every linear
+   layer and the LM head, at our dtype, on the same weights) for the token counts
+   of our schedule: one prefill step over all prompt tokens, then one decode step
+   of 64 rows per further token.
+
+    python benchmarks/bench_cpu.py                       # B2 as specified
+    python benchmarks/bench_cpu.py --num-prompts 8 --max-tokens 16   # a quick look
+
+Prints a table and a final JSON line.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.model_source import default_model_path  # noqa: E402
+
+SUBJECTS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "photosynthesis", "chess",
+            "coffee", "rainbows", "the internet", "dinosaurs", "music", "gravity", "winter", "friendship",
+            "mountains"]
+TEMPLATES = ["Explain {} in simple terms.", "Write a short poem about {}.", "What are three facts about {}?",
+             "Give me some advice about {}."]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PROBE_PROMPTS, PROBE_TOKENS = 8, 8   # the HF dtype probe: small, bf16 can be ~7x slower here
+FLOOR_REPEATS = 3                    # matmul floor: median of this many timings per step shape
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    questions = [t.format(s) for t in TEMPLATES for s in SUBJECTS]
+    questions = (questions * (n // len(questions) + 1))[:n]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# ---- HF transformers -------------------------------------------------------------
+
+def load_hf(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+    folder, name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[list[list[int]], float]:
+    """Batched greedy generation with left padding; returns (new token ids, seconds)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=pad_id)
+    return out[:, width:].tolist(), time.perf_counter() - start
+
+
+def pick_hf_dtype(path: str, prompts: list[list[int]], pad_id: int) -> tuple[str, dict]:
+    """Run the probe in each dtype; returns the faster dtype name and each one's tok/s."""
+    rates = {}
+    for name, dtype in DTYPES.items():
+        model = load_hf(path, dtype)
+        hf_generate(model, prompts[:1], 2, pad_id)  # warm-up
+        _, seconds = hf_generate(model, prompts[:PROBE_PROMPTS], PROBE_TOKENS, pad_id)
+        rates[name] = PROBE_PROMPTS * PROBE_TOKENS / seconds
+        del model
+    return max(rates, key=rates.get), rates
+
+
+# ---- nano-vLLM ------------------------------------------------------------------------
+
+def ours_generate(llm, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def decode_rate(generate, prompt: list[int], new_tokens: int) -> float:
+    """tok/s of `new_tokens` decode steps of one prompt: (t(1 + n tokens) - t(1 token)) / n."""
+    _, one = generate([prompt], 1)
+    _, many = generate([prompt], new_tokens + 1)
+    return new_tokens / max(many - one, 1e-9)
+
+
+# ---- the matmul floor -------------------------------------------------------------------
+
+def linear_weights(llm) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The weights of every linear layer of our loaded model, and the LM head's."""
+    model = llm.llm_engine.model_runner.model
+    head = model.lm_head.weight
+    mats = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name and p is not head]
+    return mats, head
+
+
+@torch.inference_mode()
+def matmul_seconds(mats: list[torch.Tensor], head: torch.Tensor, rows: int, sampled_rows: int) -> float:
+    """Median time of one step's matrix products: every linear on `rows` tokens, the head on `sampled_rows`."""
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in mats}
+    h = torch.randn(sampled_rows, head.shape[1], dtype=head.dtype)
+    times = []
+    for _ in range(FLOOR_REPEATS):
+        start = time.perf_counter()
+        for w in mats:
+            F.linear(xs[w.shape[1]], w)
+        F.linear(h, head)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_floor(llm, prompts: list[list[int]], new_tokens: int) -> float:
+    """Our schedule's matrix products: one prefill over every prompt token (sampling one row each),
+    then new_tokens - 1 decode steps of len(prompts) rows."""
+    mats, head = linear_weights(llm)
+    n = len(prompts)
+    prefill = matmul_seconds(mats, head, sum(map(len, prompts)), n)
+    return prefill + (new_tokens - 1) * matmul_seconds(mats, head, n, n)
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="our dtype (default: auto)")
+    ap.add_argument("--hf-dtype", default="probe", choices=("probe", *DTYPES),
+                    help="HF's dtype; probe: measure both, keep the faster (default)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--skip-hf", action="store_true", help="only nano-vLLM (and the floor)")
+    return ap.parse_args(argv)
+
+
+def run_ours(path: str, args, prompts) -> dict:
+    start = time.perf_counter()
+    llm = LLM(path, dtype=args.dtype)
+    load = time.perf_counter() - start
+    ours_generate(llm, prompts[:2], 4)  # warm-up
+    tokens, seconds = ours_generate(llm, prompts, args.max_tokens)
+    single = decode_rate(lambda p, n: ours_generate(llm, p, n), prompts[0], args.max_tokens)
+    floor = matmul_floor(llm, prompts, args.max_tokens)
+    dtype = str(llm.llm_engine.model_runner.dtype).removeprefix("torch.")
+    return dict(load_s=load, seconds=seconds, tokens=tokens, single_decode_tok_s=single, floor_s=floor, dtype=dtype)
+
+
+def run_hf(path: str, args, prompts, pad_id: int) -> dict:
+    probe = {}
+    dtype = args.hf_dtype
+    if dtype == "probe":
+        dtype, probe = pick_hf_dtype(path, prompts, pad_id)
+    start = time.perf_counter()
+    model = load_hf(path, DTYPES[dtype])
+    load = time.perf_counter() - start
+    hf_generate(model, prompts[:2], 4, pad_id)  # warm-up
+    tokens, seconds = hf_generate(model, prompts, args.max_tokens, pad_id)
+    single = decode_rate(lambda p, n: hf_generate(model, p, n, pad_id), prompts[0], args.max_tokens)
+    return dict(load_s=load, seconds=seconds, tokens=tokens, single_decode_tok_s=single, dtype=dtype,
+                probe_tok_s=probe)
+
+
+def report(args, ours: dict, hf: dict | None, n_prompts: int) -> dict:
+    out_tokens = n_prompts * args.max_tokens
+    result = dict(bench="B2", threads=torch.get_num_threads(), num_prompts=n_prompts, max_tokens=args.max_tokens,
+                  ours_dtype=ours["dtype"], ours_load_s=round(ours["load_s"], 2),
+                  ours_tok_s=round(out_tokens / ours["seconds"], 1),
+                  ours_single_decode_tok_s=round(ours["single_decode_tok_s"], 1),
+                  matmul_floor_s=round(ours["floor_s"], 2), ours_s=round(ours["seconds"], 2),
+                  fraction_of_floor=round(ours["floor_s"] / ours["seconds"], 3))
+    if hf:
+        same = sum(a == b for a, b in zip(ours["tokens"], hf["tokens"]))
+        result.update(hf_dtype=hf["dtype"], hf_probe_tok_s={k: round(v, 1) for k, v in hf["probe_tok_s"].items()},
+                      hf_load_s=round(hf["load_s"], 2), hf_tok_s=round(out_tokens / hf["seconds"], 1),
+                      hf_single_decode_tok_s=round(hf["single_decode_tok_s"], 1),
+                      speedup=round(hf["seconds"] / ours["seconds"], 2),
+                      single_decode_speedup=round(ours["single_decode_tok_s"] / hf["single_decode_tok_s"], 2),
+                      identical_sequences=f"{same}/{n_prompts}")
+    return result
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    from nanovllm.utils.gguf_loader import gguf_tokenizer
+    tokenizer = gguf_tokenizer(path)
+    prompts = chat_prompts(tokenizer, args.num_prompts)
+    ours = run_ours(path, args, prompts)
+    hf = None if args.skip_hf else run_hf(path, args, prompts, tokenizer.pad_token_id or tokenizer.eos_token_id)
+    result = report(args, ours, hf, len(prompts))
+    width = max(map(len, result))
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""CPU weight layout: linear weights stored column-major, for faster decode.
+
+`F.linear(x, W)` multiplies by `W.t()`. With `W` stored row-major (`[out, in]`
+contiguous, as checkpoints are), MKL runs a transposed product; with the same
+values stored column-major (`W.t()` contiguous) it runs a plain one. On this AVX2
+CPU a decode step of one sequence (one matrix-vector product per weight, bound by
+memory bandwidth) takes about 25% less time that way: SmolLM2-135M's weights in
+fp32, 35 ms against 45 ms per token on one thread. Products of 64 rows and more
+run at the same speed either way, and both layouts give the same values there.
+
+Only the storage changes: shapes, names and weight loaders stay as they are. A
+tied LM head shares its weight with the token embedding, whose row lookups get
+slower in this layout (about 0.4 ms for 64 tokens, 26 ms for 2,560), a small
+price against the LM head's 113 MB read per decode step.
+"""
+import torch
+from torch import nn
+
+from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.linear import LinearBase
+
+
+def use_column_major_weights(model: nn.Module) -> None:
+    """Re-lay the weight of every linear layer and of the LM head column-major, in place."""
+    done = set()
+    for module in model.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)) and id(module.weight) not in done:
+            done.add(id(module.weight))
+            module.weight.data = _column_major(module.weight.data)
+
+
+def _column_major(w: torch.Tensor) -> torch.Tensor:
+    """The same [out, in] values, stored as a contiguous [in, out] seen transposed."""
+    return w.t().contiguous().t()
