@@ -60,9 +60,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     num_seqs, num_heads, d = q.shape
     num_kv_heads = k_cache.shape[2]
-    blocks, mask = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
+    blocks, mask, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
     k = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, d)  # [num_seqs, max_len, kv_heads, d]
     v = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, d)
+    # Slots past a sequence's length hold whatever the cache had (NaN bit patterns
+    # included): the mask gives them weight 0, but 0 * NaN is NaN, so zero them.
+    k.masked_fill_(unowned, 0)
+    v.masked_fill_(unowned, 0)
     group = num_heads // num_kv_heads
     o = F.scaled_dot_product_attention(
         q.view(num_seqs, num_kv_heads, group, d), k.transpose(1, 2), v.transpose(1, 2),
@@ -78,8 +82,9 @@ _last_plan: tuple | None = None
 
 
 def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,
-                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block ids to gather [num_seqs * max_blocks] and the additive key mask [num_seqs, 1, 1, max_len]."""
+                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block ids to gather [num_seqs * max_blocks], the additive key mask [num_seqs, 1, 1, max_len]
+    and the gathered slots no sequence owns [num_seqs, max_len, 1, 1] (bool)."""
     global _last_plan
     key = (block_tables, seq_lens_k, block_size, max_seqlen_k)
     if _last_plan is not None and _same_key(_last_plan[0], key):
@@ -88,10 +93,11 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_siz
         block_tables = block_tables[:, :-(-max_seqlen_k // block_size)]
     blocks = block_tables.clamp_min(0).flatten().long()  # -1 padding reads block 0, masked below
     positions = torch.arange(block_tables.shape[1] * block_size, device=seq_lens_k.device)
+    unowned = positions >= seq_lens_k[:, None]  # [num_seqs, max_len]
     mask = torch.zeros(len(seq_lens_k), 1, 1, len(positions), device=seq_lens_k.device)
-    mask.masked_fill_((positions >= seq_lens_k[:, None])[:, None, None, :], float("-inf"))
-    _last_plan = (key, (blocks, mask))
-    return blocks, mask
+    mask.masked_fill_(unowned[:, None, None, :], float("-inf"))
+    _last_plan = (key, (blocks, mask, unowned[:, :, None, None]))
+    return _last_plan[1]
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
