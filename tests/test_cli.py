@@ -74,6 +74,12 @@ def test_engine_flags_in_vllm_spelling():
     assert cli.engine_kwargs(args) == {"max_model_len": 512, "tensor_parallel_size": 1, "seed": 7}
 
 
+@pytest.mark.parametrize("name, flag", [("b1", "--small"), ("b2", "--num-prompts")])
+def test_bench_runs_the_benchmark_scripts(name, flag):
+    proc = run_cli("bench", name, "--help")
+    assert proc.returncode == 0 and flag in proc.stdout, proc.stderr
+
+
 def test_serve_hook_hands_its_flags_to_the_server():
     pytest.importorskip("nanovllm.entrypoints.openai.api_server")
     proc = run_cli("serve", "--help")
