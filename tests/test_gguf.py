@@ -233,6 +233,46 @@ def test_unsupported_quant_type_is_named(tmp_path):
         LLM(path)
 
 
+def _write_config_gguf(path: str, scaling: dict | None = None, rope_freqs: bool = False) -> None:
+    """A one-layer llama GGUF with hyperparameters (and optional rope scaling) but no weights."""
+    w = gguf.GGUFWriter(path, "llama")
+    for name, value in (("context_length", 4096), ("embedding_length", 64), ("block_count", 1),
+                        ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)):
+        getattr(w, f"add_{name}")(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    if scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(scaling["type"]))
+        w.add_rope_scaling_factor(scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(scaling["original"])
+    if rope_freqs:
+        w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+    w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("linear", {"rope_type": "linear", "factor": 4.0}),
+    ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+])
+def test_rope_scaling_from_metadata(tmp_path, kind, expected):
+    from nanovllm.utils.gguf_loader import gguf_model_config
+    path = str(tmp_path / f"{kind}.gguf")
+    _write_config_gguf(path, {"type": kind, "factor": 4.0, "original": 1024})
+    cfg = gguf_model_config(path)
+    assert cfg.rope_scaling == expected and cfg.head_dim == 16 and cfg.max_position_embeddings == 4096
+
+
+def test_rope_freqs_tensor_is_a_clear_error(tmp_path):
+    from nanovllm.utils.gguf_loader import gguf_model_config
+    path = str(tmp_path / "llama31.gguf")
+    _write_config_gguf(path, rope_freqs=True)
+    with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_model_config(path)
+
+
 def test_gguf_without_tokenizer_says_so(tiny_gguf):
     from nanovllm.utils.gguf_loader import gguf_tokenizer
     path, _ = tiny_gguf("qwen2", quantize=True)

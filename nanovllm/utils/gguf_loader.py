@@ -139,6 +139,8 @@ def _parse(cur: _Cursor, path: str, size: int) -> GGUFHeader:
         metadata[key] = cur.value(cur.one("<I"))
     raw_tensors = [_tensor_entry(cur) for _ in range(num_tensors)]
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{path}: general.alignment must be a positive integer, got {alignment!r}")
     data_start = -(-cur.pos // alignment) * alignment
     tensors = {}
     for name, shape, type_id, offset in raw_tensors:
