@@ -16,10 +16,17 @@ token) does, per layer:
 Prefill chunks and mixed steps go to `torch_ref` (once per prompt, not per token).
 Signatures are those of `torch_ref`; tests compare the two.
 """
+import threading
+
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import torch_ref
+
+# Per-thread state (two engines stepping in two threads must not share it): the last
+# decode step's plan, and the buffers the gathered K/V are written into, reused by
+# every layer and step instead of allocated afresh (about 30% of the gather's time).
+_local = threading.local()
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
