@@ -54,3 +54,20 @@ def test_store_kvcache_matches_reference(slots):
     torch_ref.store_kvcache(k, v, caches[2], caches[3], slot_mapping)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert bool(caches[0].any()) == any(s >= 0 for s in slots)
+
+
+def test_nan_in_slots_no_sequence_owns_does_not_leak():
+    """An uninitialised cache can hold NaN bit patterns past a sequence's end and in padding
+    blocks: weight 0 times NaN must not reach the output."""
+    seq_lens = [3, 20, 16, 9]
+    q, k_cache, v_cache, cu, lens, tables = _paged_case(seq_lens, [1] * 4, num_heads=6, num_kv_heads=2)
+    owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for table, n in zip(tables.tolist(), seq_lens):
+        for p in range(n):
+            owned[table[p // k_cache.shape[1]], p % k_cache.shape[1]] = True
+    k_cache[~owned], v_cache[~owned] = float("nan"), float("nan")
+    for _ in range(2):  # the second call reuses the gather buffers and the step's plan
+        out = cpu_attn.paged_attention(q, k_cache, v_cache, cu, lens, tables, scale=0.25)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out, torch_ref.paged_attention(q, k_cache, v_cache, cu, lens, tables, scale=0.25),
+                                   rtol=1e-5, atol=1e-5)

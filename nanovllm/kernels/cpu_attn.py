@@ -68,12 +68,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, d = q.shape
     num_kv_heads = k_cache.shape[2]
     blocks, mask, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
-    k = k_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, d)  # [num_seqs, max_len, kv_heads, d]
-    v = v_cache.index_select(0, blocks).view(num_seqs, -1, num_kv_heads, d)
-    # Slots past a sequence's length hold whatever the cache had (NaN bit patterns
-    # included): the mask gives them weight 0, but 0 * NaN is NaN, so zero them.
-    k.masked_fill_(unowned, 0)
-    v.masked_fill_(unowned, 0)
+    k = _gather(k_cache, blocks, unowned, "k").view(num_seqs, -1, num_kv_heads, d)  # [num_seqs, max_len, kv_heads, d]
+    v = _gather(v_cache, blocks, unowned, "v").view(num_seqs, -1, num_kv_heads, d)
     group = num_heads // num_kv_heads
     o = F.scaled_dot_product_attention(
         q.view(num_seqs, num_kv_heads, group, d), k.transpose(1, 2), v.transpose(1, 2),
@@ -81,21 +77,38 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return o.reshape(num_seqs, num_heads, d)
 
 
-# The last decode step's plan: every layer of a step gets the same `block_tables` and
-# `seq_lens_k` tensors (from one Context), so the plan is built once per step, not per
-# layer. Strong references keep those tensors (and so their identity) alive until the
-# next step replaces them.
-_last_plan: tuple | None = None
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[blocks] ([len(blocks), block_size, kv_heads, d]) in this thread's reused buffer, with the
+    slots no sequence owns zeroed.
+
+    Those slots (past a sequence's length: the tail of its last block, -1 padding) hold
+    whatever the cache had, NaN bit patterns included: the mask gives them weight 0, but
+    0 * NaN is NaN. Only they are filled (`unowned`: their row numbers), not the whole copy.
+    """
+    shape = (len(blocks), *cache.shape[1:])
+    numel = shape[0] * cache[0].numel()
+    buf = getattr(_local, name, None)
+    if buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device:
+        buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+        setattr(_local, name, buf)
+    out = torch.index_select(cache, 0, blocks, out=buf[:numel].view(shape))
+    out.view(-1, *cache.shape[2:]).index_fill_(0, unowned, 0)
+    return out
 
 
 def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,
                  max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block ids to gather [num_seqs * max_blocks], the additive key mask [num_seqs, 1, 1, max_len]
-    and the gathered slots no sequence owns [num_seqs, max_len, 1, 1] (bool)."""
-    global _last_plan
+    """Block ids to gather [num_seqs * max_blocks], the additive key mask [num_seqs, 1, 1, max_len],
+    and the row numbers of the gathered slots no sequence owns [num_unowned].
+
+    Every layer of a step gets the same `block_tables` and `seq_lens_k` tensors (from
+    one Context), so the plan is built once per step, not per layer. The plan keeps
+    those tensors alive, so their identity cannot be reused until the next step's.
+    """
     key = (block_tables, seq_lens_k, block_size, max_seqlen_k)
-    if _last_plan is not None and _same_key(_last_plan[0], key):
-        return _last_plan[1]
+    last = getattr(_local, "plan", None)
+    if last is not None and _same_key(last[0], key):
+        return last[1]
     if max_seqlen_k is not None:  # the host-known bound trims table columns no sequence uses
         block_tables = block_tables[:, :-(-max_seqlen_k // block_size)]
     blocks = block_tables.clamp_min(0).flatten().long()  # -1 padding reads block 0, masked below
@@ -103,8 +116,8 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_siz
     unowned = positions >= seq_lens_k[:, None]  # [num_seqs, max_len]
     mask = torch.zeros(len(seq_lens_k), 1, 1, len(positions), device=seq_lens_k.device)
     mask.masked_fill_(unowned[:, None, None, :], float("-inf"))
-    _last_plan = (key, (blocks, mask, unowned[:, :, None, None]))
-    return _last_plan[1]
+    _local.plan = (key, (blocks, mask, unowned.flatten().nonzero().squeeze(1)))
+    return _local.plan[1]
 
 
 def _same_key(a: tuple, b: tuple) -> bool:
