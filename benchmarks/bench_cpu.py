@@ -6,15 +6,18 @@ SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized), 64 chat prompts,
 1. dtype for HF: a short probe of HF `generate` in fp32 and in bf16; the faster one
    is used for the full HF run (on CPUs without AMX / AVX512-BF16, fp32).
 2. load time of each engine (HF loads the same file with `gguf_file=`).
-3. output throughput: all 64 prompts in one batched call (HF: left padding).
+3. output throughput: all 64 prompts in one batched call (HF: left padding);
+   with `--repeats N` the engines alternate N times and medians are reported.
 4. single-prompt decode: tok/s of 128 decode steps of one prompt (the time of a
    129-token generation minus that of a 1-token one, so prefill is left out).
 5. the matmul floor: the time of the model's matrix products alone (every linear
-   layer and the LM head, at our dtype, on the same weights) for the token counts
+   layer and the LM head, at our dtype, on our loaded weights) for the token counts
    of our schedule: one prefill step over all prompt tokens, then one decode step
-   of 64 rows per further token.
+   of 64 rows per further token. HF runs the same products, so HF's time over the
+   floor bounds the speedup any engine could show against it.
 
     python benchmarks/bench_cpu.py                       # B2 as specified
+    python benchmarks/bench_cpu.py --repeats 3           # alternating runs, medians
     python benchmarks/bench_cpu.py --num-prompts 8 --max-tokens 16   # a quick look
 
 Prints a table and a final JSON line.
@@ -39,7 +42,7 @@ TEMPLATES = ["Explain {} in simple terms.", "Write a short poem about {}.", "Wha
              "Give me some advice about {}."]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROBE_PROMPTS, PROBE_TOKENS = 8, 8   # the HF dtype probe: small, bf16 can be ~7x slower here
-FLOOR_REPEATS = 3                    # matmul floor: median of this many timings per step shape
+FLOOR_REPEATS = 5                    # matmul floor: the fastest of this many timings per step shape
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -110,7 +113,8 @@ def linear_weights(llm) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 @torch.inference_mode()
 def matmul_seconds(mats: list[torch.Tensor], head: torch.Tensor, rows: int, sampled_rows: int) -> float:
-    """Median time of one step's matrix products: every linear on `rows` tokens, the head on `sampled_rows`."""
+    """Fastest time of one step's matrix products: every linear on `rows` tokens, the head on
+    `sampled_rows` (the fastest, as a floor should be: slower timings are the machine's noise)."""
     xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in mats}
     h = torch.randn(sampled_rows, head.shape[1], dtype=head.dtype)
     times = []
@@ -120,7 +124,7 @@ def matmul_seconds(mats: list[torch.Tensor], head: torch.Tensor, rows: int, samp
             F.linear(xs[w.shape[1]], w)
         F.linear(h, head)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def matmul_floor(llm, prompts: list[list[int]], new_tokens: int) -> float:
@@ -143,56 +147,73 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-dtype", default="probe", choices=("probe", *DTYPES),
                     help="HF's dtype; probe: measure both, keep the faster (default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs of each engine, alternating; medians are reported (default: 1)")
     ap.add_argument("--skip-hf", action="store_true", help="only nano-vLLM (and the floor)")
     return ap.parse_args(argv)
 
 
-def run_ours(path: str, args, prompts) -> dict:
-    start = time.perf_counter()
-    llm = LLM(path, dtype=args.dtype)
-    load = time.perf_counter() - start
-    ours_generate(llm, prompts[:2], 4)  # warm-up
-    tokens, seconds = ours_generate(llm, prompts, args.max_tokens)
-    single = decode_rate(lambda p, n: ours_generate(llm, p, n), prompts[0], args.max_tokens)
-    floor = matmul_floor(llm, prompts, args.max_tokens)
-    dtype = str(llm.llm_engine.model_runner.dtype).removeprefix("torch.")
-    return dict(load_s=load, seconds=seconds, tokens=tokens, single_decode_tok_s=single, floor_s=floor, dtype=dtype)
+class Engine:
+    """One engine under test: its load time, its generate function and its measurements."""
+
+    def __init__(self, name: str, load, generate):
+        start = time.perf_counter()
+        self.model = load()
+        self.load_s = time.perf_counter() - start
+        self.name, self._generate = name, generate
+        self.seconds, self.single, self.tokens = [], [], None
+
+    def generate(self, prompts, new_tokens):
+        return self._generate(self.model, prompts, new_tokens)
+
+    def measure(self, prompts, new_tokens) -> None:
+        """One timed batched run and one single-prompt decode measurement."""
+        self.tokens, seconds = self.generate(prompts, new_tokens)
+        self.seconds.append(seconds)
+        self.single.append(decode_rate(self.generate, prompts[0], new_tokens))
 
 
-def run_hf(path: str, args, prompts, pad_id: int) -> dict:
-    probe = {}
-    dtype = args.hf_dtype
-    if dtype == "probe":
-        dtype, probe = pick_hf_dtype(path, prompts, pad_id)
-    start = time.perf_counter()
-    model = load_hf(path, DTYPES[dtype])
-    load = time.perf_counter() - start
-    hf_generate(model, prompts[:2], 4, pad_id)  # warm-up
-    tokens, seconds = hf_generate(model, prompts, args.max_tokens, pad_id)
-    single = decode_rate(lambda p, n: hf_generate(model, p, n, pad_id), prompts[0], args.max_tokens)
-    return dict(load_s=load, seconds=seconds, tokens=tokens, single_decode_tok_s=single, dtype=dtype,
-                probe_tok_s=probe)
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
-def report(args, ours: dict, hf: dict | None, n_prompts: int) -> dict:
+def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine | None, dict]:
+    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype), lambda m, p, n: ours_generate(m, p, n))
+    probe, hf = {}, None
+    if not args.skip_hf:
+        dtype = args.hf_dtype
+        if dtype == "probe":
+            dtype, probe = pick_hf_dtype(path, prompts, pad_id)
+        hf = Engine("hf", lambda: load_hf(path, DTYPES[dtype]), lambda m, p, n: hf_generate(m, p, n, pad_id))
+        hf.dtype = dtype
+    for engine in (ours, hf) if hf else (ours,):
+        engine.generate(prompts[:2], 4)  # warm-up
+    return ours, hf, probe
+
+
+def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_prompts: int) -> dict:
     out_tokens = n_prompts * args.max_tokens
-    result = dict(bench="B2", threads=torch.get_num_threads(), load_average=" ".join(
+    seconds = median(ours.seconds)
+    result = dict(bench="B2", threads=torch.get_num_threads(), repeats=args.repeats, load_average=" ".join(
                       f"{x:.2f}" for x in os.getloadavg()), num_prompts=n_prompts, max_tokens=args.max_tokens,
-                  ours_dtype=ours["dtype"], ours_load_s=round(ours["load_s"], 2),
-                  ours_tok_s=round(out_tokens / ours["seconds"], 1),
-                  ours_single_decode_tok_s=round(ours["single_decode_tok_s"], 1),
-                  matmul_floor_s=round(ours["floor_s"], 2), ours_s=round(ours["seconds"], 2),
-                  fraction_of_floor=round(ours["floor_s"] / ours["seconds"], 3))
+                  ours_dtype=str(ours.model.llm_engine.model_runner.dtype).removeprefix("torch."),
+                  ours_load_s=round(ours.load_s, 2), ours_s=round(seconds, 2), ours_tok_s=round(out_tokens / seconds, 1),
+                  ours_single_decode_tok_s=round(median(ours.single), 1),
+                  matmul_floor_s=round(floor, 2), fraction_of_floor=round(floor / seconds, 3))
     if hf:
-        same = sum(a == b for a, b in zip(ours["tokens"], hf["tokens"]))
-        result.update(hf_dtype=hf["dtype"], hf_probe_tok_s={k: round(v, 1) for k, v in hf["probe_tok_s"].items()},
-                      hf_load_s=round(hf["load_s"], 2), hf_tok_s=round(out_tokens / hf["seconds"], 1),
-                      hf_single_decode_tok_s=round(hf["single_decode_tok_s"], 1),
-                      speedup=round(hf["seconds"] / ours["seconds"], 2),
-                      # HF runs the same matrix products: its time over our floor bounds any speedup
-                      hf_s=round(hf["seconds"], 2), hf_time_over_floor=round(hf["seconds"] / ours["floor_s"], 2),
-                      single_decode_speedup=round(ours["single_decode_tok_s"] / hf["single_decode_tok_s"], 2),
-                      identical_sequences=f"{same}/{n_prompts}")
+        hf_seconds = median(hf.seconds)
+        same = sum(a == b for a, b in zip(ours.tokens, hf.tokens))
+        result.update(hf_dtype=hf.dtype, hf_probe_tok_s={k: round(v, 1) for k, v in probe.items()},
+                      hf_load_s=round(hf.load_s, 2), hf_s=round(hf_seconds, 2),
+                      hf_tok_s=round(out_tokens / hf_seconds, 1),
+                      hf_single_decode_tok_s=round(median(hf.single), 1),
+                      speedup=round(hf_seconds / seconds, 2),
+                      # HF runs the same matrix products: its time over the floor bounds any speedup
+                      hf_time_over_floor=round(hf_seconds / floor, 2),
+                      single_decode_speedup=round(median(ours.single) / median(hf.single), 2),
+                      identical_sequences=f"{same}/{n_prompts}",
+                      all_runs_s={"ours": [round(x, 1) for x in ours.seconds],
+                                  "hf": [round(x, 1) for x in hf.seconds]})
     return result
 
 
@@ -204,9 +225,12 @@ def main(argv=None) -> None:
     from nanovllm.utils.gguf_loader import gguf_tokenizer
     tokenizer = gguf_tokenizer(path)
     prompts = chat_prompts(tokenizer, args.num_prompts)
-    ours = run_ours(path, args, prompts)
-    hf = None if args.skip_hf else run_hf(path, args, prompts, tokenizer.pad_token_id or tokenizer.eos_token_id)
-    result = report(args, ours, hf, len(prompts))
+    ours, hf, probe = build_engines(path, args, prompts, tokenizer.pad_token_id or tokenizer.eos_token_id)
+    for _ in range(args.repeats):  # alternating, so both see the same machine
+        for engine in (ours, hf) if hf else (ours,):
+            engine.measure(prompts, args.max_tokens)
+    floor = matmul_floor(ours.model, prompts, args.max_tokens)
+    result = report(args, ours, hf, probe, floor, len(prompts))
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")
