@@ -24,10 +24,8 @@ import os
 import runpy
 import sys
 import time
-import typing
-from dataclasses import MISSING, fields
 
-from nanovllm.config import DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.entrypoints import engine_args
 
 DEFAULT_GENERATE_MAX_TOKENS = 256
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -37,54 +35,15 @@ CHAT_RESET_COMMAND = "/reset"
 BENCHMARKS = {"b1": "bench_offline.py", "b2": "bench_cpu.py"}
 # Config fields with no command-line flag: set by the command itself, or meaningless here
 NO_FLAG_FIELDS = ("model", "seed", "skip_tokenizer_init")
-ENGINE_FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"]}
-ENGINE_FLAG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS}
-ENGINE_FLAG_HELP = {
-    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's context length",
-    "max_num_seqs": "most sequences in one step's batch",
-    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill splits longer prompts)",
-    "tensor_parallel_size": "number of tensor-parallel ranks",
-    "device": "where to run; auto: cuda when torch sees a GPU, else cpu",
-    "dtype": "weight and activation dtype; auto: the model's on GPU, on CPU bf16 where it is fast, else fp32",
-    "load_format": "weights format; auto: .gguf files as GGUF, directories as safetensors",
-    "enforce_eager": "disable CUDA graphs",
-    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
-    "kvcache_block_size": "tokens per KV cache block",
-    "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
-    "kv_cache_memory_bytes": "CPU: bytes for the KV cache",
-    "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",
-    "tokenizer": "an HF tokenizer directory (default: the model's own)",
-    "max_n": "largest n (samples per request) accepted",
-    "trust_remote_code": "accepted for vLLM compatibility; nothing remote runs",
-}
 
 
 # ---- flags ----------------------------------------------------------------------
 
 def add_engine_args(group) -> None:
-    """One flag per `Config` field, in vLLM's spelling; a flag not given keeps the engine default."""
+    """`--model` and one flag per `Config` field (entrypoints/engine_args.py)."""
     group.add_argument("--model", default=None,
                        help="an HF model directory or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    for f in fields(Config):
-        if f.name in NO_FLAG_FIELDS:
-            continue
-        flags = [f"--{f.name.replace('_', '-')}", *ENGINE_FLAG_ALIASES.get(f.name, [])]
-        help_text = ENGINE_FLAG_HELP.get(f.name, f"engine setting {f.name}")
-        if f.default is not MISSING and f.default is not None:
-            help_text += f" (default: {f.default})"
-        base = _base_type(f.type)
-        if base is bool:
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(*flags, dest=f.name, action=action, default=argparse.SUPPRESS, help=help_text)
-        else:
-            group.add_argument(*flags, dest=f.name, type=base, choices=ENGINE_FLAG_CHOICES.get(f.name),
-                               default=argparse.SUPPRESS, help=help_text)
-
-
-def _base_type(annotation) -> type:
-    """`int | None` -> int; plain types as they are."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
+    engine_args.add_engine_args(group, skip=NO_FLAG_FIELDS)
 
 
 def add_sampling_args(group, max_tokens: int) -> None:
@@ -103,8 +62,7 @@ def add_sampling_args(group, max_tokens: int) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {f.name: getattr(args, f.name) for f in fields(Config)
-              if f.name not in NO_FLAG_FIELDS and hasattr(args, f.name)}
+    kwargs = engine_args.engine_kwargs(args, skip=NO_FLAG_FIELDS)
     if args.seed is not None:
         kwargs["seed"] = args.seed
     return kwargs

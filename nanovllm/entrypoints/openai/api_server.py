@@ -20,11 +20,9 @@ import hmac
 import json
 import logging
 import os
-import typing
 from contextlib import asynccontextmanager
-from dataclasses import MISSING, fields
 
-from nanovllm.config import DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_response, install_error_handlers
 from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
                                                   parse_detokenize_request, parse_tokenize_request)
@@ -37,17 +35,6 @@ DEFAULT_PORT = 8000             # vLLM's
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
-ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS}
-ENGINE_ARG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"]}
-ENGINE_ARG_HELP = {
-    "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's",
-    "max_num_seqs": "most sequences in one step's batch",
-    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill splits longer prompts)",
-    "tensor_parallel_size": "number of tensor-parallel ranks",
-    "dtype": "weight and activation dtype; auto picks by device",
-    "enforce_eager": "disable CUDA graphs",
-    "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
-}
 
 
 # ---- command line ---------------------------------------------------------------------
@@ -74,35 +61,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(parser.add_argument_group("engine"))
     return parser
-
-
-def add_engine_args(group) -> None:
-    """One flag per `Config` field; a flag not given keeps the engine's default."""
-    for f in fields(Config):
-        if f.name == "model":
-            continue
-        flags = [f"--{f.name.replace('_', '-')}", *ENGINE_ARG_ALIASES.get(f.name, [])]
-        help_text = ENGINE_ARG_HELP.get(f.name, f"engine setting {f.name}")
-        if f.default is not MISSING and f.default is not None:
-            help_text += f" (default {f.default})"
-        base = _base_type(f.type)
-        if base is bool:
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(*flags, dest=f.name, action=action, default=argparse.SUPPRESS, help=help_text)
-        else:
-            group.add_argument(*flags, dest=f.name, type=base, choices=ENGINE_ARG_CHOICES.get(f.name),
-                               default=argparse.SUPPRESS, help=help_text)
-
-
-def _base_type(annotation) -> type:
-    """`int | None` -> int; plain types as they are."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
-
-
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    names = {f.name for f in fields(Config)} - {"model"}
-    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 # ---- request plumbing -------------------------------------------------------------------
@@ -312,7 +270,7 @@ def main(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
-        async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs_from_args(args))
+        async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
     except ImportError as e:
         raise SystemExit(f"nanovllm serve: error: the server needs fastapi, uvicorn and jinja2 "
