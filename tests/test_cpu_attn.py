@@ -71,3 +71,10 @@ def test_nan_in_slots_no_sequence_owns_does_not_leak():
         assert not out.isnan().any()
         torch.testing.assert_close(out, torch_ref.paged_attention(q, k_cache, v_cache, cu, lens, tables, scale=0.25),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_made_in_inference_mode_serve_calls_outside_it():
+    case = _paged_case([9, 30], [1, 1], num_heads=4, num_kv_heads=2)
+    with torch.inference_mode():
+        inside = cpu_attn.paged_attention(*case, scale=0.25)
+    torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.25), inside)

@@ -88,7 +88,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, na
     shape = (len(blocks), *cache.shape[1:])
     numel = shape[0] * cache[0].numel()
     buf = getattr(_local, name, None)
-    if buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device:
+    if (buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device
+            or buf.is_inference() != torch.is_inference_mode_enabled()):  # (written in place below)
         buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
         setattr(_local, name, buf)
     out = torch.index_select(cache, 0, blocks, out=buf[:numel].view(shape))
