@@ -171,10 +171,6 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
-            self.device, non_blocking=True)
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):
             return self.graph_runner.run(input_ids, positions, context)
