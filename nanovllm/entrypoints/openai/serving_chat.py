@@ -16,6 +16,8 @@ from nanovllm.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    chunk_object = "chat.completion.chunk"
+
     def __init__(self, async_llm, served_model_names: list[str], metrics: ServerMetrics,
                  chat_template: ChatTemplate | None):
         super().__init__(async_llm, served_model_names, metrics)
@@ -51,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = Usage(prompt_tokens=num_prompt_tokens)
         try:
             for index in range(n):
-                yield self._chunk(request_id, created, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                yield self.chunk(request_id, created, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                          "logprobs": None, "finish_reason": None}])
             async for _, output in outputs:
                 for c in output.outputs:
@@ -61,15 +63,12 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = {"content": self.chat_logprob_entries(c.token_ids, c.logprobs, req.top_logprobs)}
                     choice = {"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    yield self._chunk(request_id, created, [choice])
+                    yield self.chunk(request_id, created, [choice])
         finally:
             await outputs.aclose()
         if include_usage:
-            yield {**self._chunk(request_id, created, []), "usage": usage.as_dict()}
+            yield self.chunk(request_id, created, [], usage)
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict]) -> dict:
-        return {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name, "choices": choices}
 
 
 def fold_chat(chunks: list[dict]) -> dict:

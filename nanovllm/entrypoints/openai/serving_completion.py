@@ -26,6 +26,8 @@ class ChoiceState:
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    chunk_object = "text_completion"
+
     async def create_completion(self, req: CompletionRequest) -> ChunkStream | dict:
         """The chunks of a streaming request, or the folded response. Raises APIError."""
         self.check_model(req.model)
@@ -61,15 +63,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     state = choices.setdefault(index, ChoiceState())
                     usage.completion_tokens += len(completion.token_ids)
                     choice = self._choice(req, state, index, prompts[prompt_index], output, completion)
-                    yield self._chunk(request_id, created, [choice])
+                    yield self.chunk(request_id, created, [choice])
         finally:
             await outputs.aclose()
         if include_usage:
-            yield {**self._chunk(request_id, created, []), "usage": usage.as_dict()}
+            yield self.chunk(request_id, created, [], usage)
 
-    def _chunk(self, request_id: str, created: int, choices: list[dict]) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": choices}
 
     def _choice(self, req: CompletionRequest, state: ChoiceState, index: int, prompt: PromptInput,
                 output: RequestOutput, completion: CompletionOutput) -> dict:

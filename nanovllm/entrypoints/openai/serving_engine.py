@@ -49,6 +49,7 @@ class ChunkStream:
 
 
 class OpenAIServing:
+    chunk_object: str  # the "object" of a streamed chunk, set by each endpoint
     def __init__(self, async_llm: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics):
         self.async_llm = async_llm
         self.tokenizer = async_llm.tokenizer   # the event loop's own copy
@@ -59,6 +60,12 @@ class OpenAIServing:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    def chunk(self, request_id: str, created: int, choices: list[dict], usage: Usage | None = None) -> dict:
+        """One streamed chunk of this endpoint's kind (`chunk_object`), with usage when given."""
+        chunk = {"id": request_id, "object": self.chunk_object, "created": created, "model": self.model_name,
+                 "choices": choices}
+        return chunk if usage is None else {**chunk, "usage": usage.as_dict()}
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
