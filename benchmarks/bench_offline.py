@@ -85,10 +85,12 @@ class StepTimer:
     def __init__(self, runner):
         self.steps, self.run_s, self.prepare_s, self.gpu_events, self._pending = 0, 0.0, 0.0, [], None
         self.cuda = runner.device.type == "cuda"
-        self._prepare, self._forward = runner.prepare, runner._forward
-        runner.prepare, runner._forward = self._timed_prepare, self._timed_forward
+        driver = getattr(runner, "driver", runner)  # rank 0's ModelRunner under tensor parallelism
+        self._prepare, self._forward = driver.prepare, driver._forward
+        driver.prepare, driver._forward = self._timed_prepare, self._timed_forward
         runner.run = self._timed(runner.run)
-        runner.run_decode_steps = self._timed(runner.run_decode_steps)
+        if hasattr(runner, "run_decode_steps"):  # one rank only
+            runner.run_decode_steps = self._timed(runner.run_decode_steps)
 
     def _timed_prepare(self, seqs):
         start = time.perf_counter()
@@ -131,6 +133,11 @@ def main():
                     help="decode steps per scheduling round (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed run, profile a second run and print GPU time by kernel")
+    ap.add_argument("--trace", metavar="FILE",
+                    help="after the timed run, trace TRACE_STEPS engine steps of a second run into FILE "
+                         "(chrome trace, .json.gz) and print where the GPU waited")
+    ap.add_argument("--trace-steps", type=int, default=24)
+    ap.add_argument("--trace-skip", type=int, default=40, help="engine steps to let pass before tracing")
     args = ap.parse_args()
     cfg = SMALL if args.small else QWEN3_0_6B
     num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
@@ -155,10 +162,14 @@ def main():
               "ms_per_step": per_step(elapsed), "gpu_ms_per_step": per_step(gpu_s),
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),
+              "tensor_parallel_size": args.tensor_parallel_size,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()  # rank 0's; retries mean cudaFree + re-malloc (a device sync)
+        result.update(alloc_retries=stats["num_alloc_retries"], device_mallocs=stats["num_device_alloc"])
         bandwidth = copy_bandwidth()
-        floor_s = roofline_bytes(cfg, prompts, params) / bandwidth
+        # each of the tensor-parallel GPUs moves its share of the bytes, at the same time
+        floor_s = roofline_bytes(cfg, prompts, params) / bandwidth / args.tensor_parallel_size
         result.update(copy_tb_per_s=round(bandwidth / 1e12, 3), roofline_s=round(floor_s, 3),
                       roofline_tok_per_s=round(tokens / floor_s, 1),
                       roofline_fraction=round(floor_s / elapsed, 3))
@@ -171,6 +182,8 @@ def main():
     print(json.dumps(result))
     if args.profile:
         profile(llm, prompts, params)
+    if args.trace:
+        trace(llm, prompts, params, args.trace, args.trace_skip, args.trace_steps)
 
 
 def profile(llm, prompts, params, top: int = 30) -> None:
@@ -180,6 +193,25 @@ def profile(llm, prompts, params, top: int = 30) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
+
+
+def trace(llm, prompts, params, path: str, skip: int, steps: int) -> None:
+    """Chrome trace of `steps` engine steps after `skip`, then the gap report (trace_gaps.py)."""
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as torch_profile
+    from trace_gaps import report
+    engine = llm.llm_engine
+    for prompt, p in zip(prompts, params):
+        engine.add_request(None, prompt, p)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       schedule=schedule(wait=skip, warmup=2, active=steps)) as prof:
+        for _ in range(skip + 2 + steps):
+            engine.step()
+            prof.step()
+    prof.export_chrome_trace(path)
+    while engine.has_unfinished_requests():
+        engine.step()
+    print(report(path))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from tiny_models import build_tiny_model, hf_greedy, random_prompts
 TP = 2
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64)
+ENGINE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64)
 HANG_LIMIT_S = 120  # a failure test that takes longer than this has hung: abort the run
 KILL_DELAY_S = 0.3  # well inside the 200 decode steps of the killed-worker test
 SHM_DIR = "/dev/shm"
@@ -305,7 +305,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     import sys
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
-        llm = LLM(sys.argv[1], tensor_parallel_size=2, dtype="float32", skip_tokenizer_init=True,
+        llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32", skip_tokenizer_init=True,
                   max_model_len=256)
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         group = llm.llm_engine.model_runner.group
