@@ -133,11 +133,13 @@ def main():
                     help="decode steps per scheduling round (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed run, profile a second run and print GPU time by kernel")
-    ap.add_argument("--trace", metavar="FILE",
-                    help="after the timed run, trace TRACE_STEPS engine steps of a second run into FILE "
-                         "(chrome trace, .json.gz) and print where the GPU waited")
-    ap.add_argument("--trace-steps", type=int, default=24)
-    ap.add_argument("--trace-skip", type=int, default=40, help="engine steps to let pass before tracing")
+    ap.add_argument("--trace", metavar="PREFIX",
+                    help="after the timed run, trace windows of TRACE_STEPS engine steps of a second run "
+                         "into PREFIX.<step>.json.gz (chrome traces) and print where the GPU waited in each")
+    ap.add_argument("--trace-steps", type=int, default=4, help="engine steps per traced window")
+    ap.add_argument("--trace-skip", type=int, default=30, help="engine steps between traced windows")
+    ap.add_argument("--trace-windows", type=int, default=3)
+    ap.add_argument("--trace-host", action="store_true", help="also record host-side torch ops (slower host)")
     args = ap.parse_args()
     cfg = SMALL if args.small else QWEN3_0_6B
     num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
@@ -183,7 +185,8 @@ def main():
     if args.profile:
         profile(llm, prompts, params)
     if args.trace:
-        trace(llm, prompts, params, args.trace, args.trace_skip, args.trace_steps)
+        trace(llm, prompts, params, args.trace, args.trace_skip, args.trace_steps, args.trace_windows,
+              args.trace_host)
 
 
 def profile(llm, prompts, params, top: int = 30) -> None:
@@ -195,23 +198,29 @@ def profile(llm, prompts, params, top: int = 30) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60))
 
 
-def trace(llm, prompts, params, path: str, skip: int, steps: int) -> None:
-    """Chrome trace of `steps` engine steps after `skip`, then the gap report (trace_gaps.py)."""
+def trace(llm, prompts, params, prefix: str, skip: int, steps: int, windows: int, host: bool) -> None:
+    """Chrome traces of `windows` windows of `steps` engine steps, `skip` steps apart, each
+    followed by its gap report (trace_gaps.py)."""
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
     from trace_gaps import report
+
+    def on_trace_ready(prof):
+        path = f"{prefix}.{prof.step_num}.json.gz"
+        prof.export_chrome_trace(path)
+        print(f"--- window ending at engine step {prof.step_num}, {len(engine.scheduler.running)} running")
+        print(report(path))
+
     engine = llm.llm_engine
     for prompt, p in zip(prompts, params):
         engine.add_request(None, prompt, p)
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                       schedule=schedule(wait=skip, warmup=2, active=steps)) as prof:
-        for _ in range(skip + 2 + steps):
+    cuda = torch.cuda.is_available()
+    activities = ([ProfilerActivity.CUDA] if cuda else []) + ([ProfilerActivity.CPU] if host or not cuda else [])
+    with torch_profile(activities=activities, on_trace_ready=on_trace_ready,
+                       schedule=schedule(wait=skip, warmup=1, active=steps, repeat=windows)) as prof:
+        while engine.has_unfinished_requests():
             engine.step()
             prof.step()
-    prof.export_chrome_trace(path)
-    while engine.has_unfinished_requests():
-        engine.step()
-    print(report(path))
 
 
 if __name__ == "__main__":

@@ -58,22 +58,30 @@ def test_nccl_tp2_greedy_matches_tp1_and_hf(tiny_model, tmp_path_factory, family
     refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     del hf
     assert all(len(set(ref)) >= 6 for ref in refs)  # varied continuations, not one repeated token
-    with LLM(path, **ENGINE) as llm:
-        assert _generate(llm, prompts) == refs
+    assert _run(path, prompts, tensor_parallel_size=1) == refs
     for eager in (False, True):
-        free_before = _free_bytes(1)
-        with LLM(path, tensor_parallel_size=TP, enforce_eager=eager, **ENGINE) as llm:
-            runner = llm.llm_engine.model_runner
-            assert (runner.graph_runner is None) == eager
-            group = runner.group
-            pids, shm_name = group.pids, group._res.channel.shm.name
-            # rank 1's KV cache (about GPU_MEMORY_UTILIZATION of the card) lives on GPU 1
-            assert free_before - _free_bytes(1) > GPU_MEMORY_UTILIZATION / 2 * torch.cuda.mem_get_info(1)[1]
-            assert _generate(llm, prompts) == refs, f"enforce_eager={eager}"
-        for pid in pids:
-            assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"worker {pid} is still running"
-        assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
-        assert not dist.is_initialized()
+        assert _run(path, prompts, tensor_parallel_size=TP, enforce_eager=eager) == refs, f"enforce_eager={eager}"
+
+
+def _run(path: str, prompts, **kwargs) -> list[list[int]]:
+    """Greedy ids from a fresh engine, shut down and dropped on return (each engine sizes its
+    KV cache from the free GPU memory, so none may outlive its run)."""
+    free_before = _free_bytes(1)
+    with LLM(path, **ENGINE, **kwargs) as llm:
+        runner = llm.llm_engine.model_runner
+        assert (runner.graph_runner is None) == kwargs.get("enforce_eager", False)
+        ids = _generate(llm, prompts)
+        if kwargs["tensor_parallel_size"] == 1:
+            return ids
+        group = runner.group
+        pids, shm_name = group.pids, group._res.channel.shm.name
+        # rank 1's KV cache (about GPU_MEMORY_UTILIZATION of the card) lives on GPU 1
+        assert free_before - _free_bytes(1) > GPU_MEMORY_UTILIZATION / 2 * torch.cuda.mem_get_info(1)[1]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"worker {pid} is still running"
+    assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+    assert not dist.is_initialized()
+    return ids
 
 
 def _is_zombie(pid: int) -> bool:

@@ -11,7 +11,9 @@ one argmax.
 The random draw is the Gumbel-max trick in exponential form: argmax(p / E) with
 E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
 seeded per (request seed, position), so their draws depend on nothing else in
-the batch; the other rows share one batched draw from the global RNG.
+the batch; the other rows share one batched draw from the global RNG. On a GPU,
+a batch with no top-k/top-p/min-p row draws with one fused kernel instead
+(kernels/triton_sampling.py: the same trick, Philox noise keyed by a seed per row).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:  # sampling_metadata imports this module
 # Exp(1) draws are clamped away from 0: p / 0 would be inf (or NaN for a masked
 # token, which argmax would pick).
 MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
+MAX_SEED = (1 << 62) - 1  # fused draws' row seeds: base + row stays inside int64
 
 
 @dataclass
@@ -49,13 +52,16 @@ class Sampler(nn.Module):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_seqs, vocab] -> the sampled token of each row (and its logprobs)."""
-        logits = logits.float()
-        raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits, -1)
+        """logits: [num_seqs, vocab] -> the sampled token of each row (and its logprobs).
+
+        Transforms work in float32 (`.float()` is free on float32 logits); the fused GPU
+        draw reads bf16 logits as they are.
+        """
+        raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits.float(), -1)
         if metadata.banned_tokens is not None:
-            logits = apply_banned_tokens(logits, *metadata.banned_tokens)
+            logits = apply_banned_tokens(logits.float(), *metadata.banned_tokens)
         if metadata.output_counts is not None:
-            logits = apply_penalties(logits, metadata)
+            logits = apply_penalties(logits.float(), metadata)
         token_ids = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
@@ -65,6 +71,9 @@ class Sampler(nn.Module):
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
             return logits.argmax(-1)
+        if logits.is_cuda and metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
+            return self.fused_sample(logits, metadata)
+        logits = logits.float()
         greedy = None if metadata.all_random else logits.argmax(-1)
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
@@ -75,6 +84,20 @@ class Sampler(nn.Module):
             logits = apply_top_p(logits, metadata.top_p)
         sampled = self.random_sample(torch.softmax(logits, -1), metadata.seeds)
         return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
+
+    def fused_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature and greedy rows in one kernel (kernels/triton_sampling.py). Seeded rows
+        use their per-position seed; the others get fresh ones from the global RNG."""
+        from nanovllm.kernels.triton_sampling import gumbel_argmax
+        temperature = metadata.temperature
+        if metadata.is_greedy is not None:
+            temperature = temperature.masked_fill(metadata.is_greedy, 0.0)
+        base = int(torch.randint(MAX_SEED, (1,)))  # the CPU generator: no device sync
+        seeds = [base + row for row in range(logits.shape[0])]
+        for row, seed in metadata.seeds.items():
+            seeds[row] = seed & MAX_SEED
+        seeds = torch.tensor(seeds, dtype=torch.int64, pin_memory=True).to(logits.device, non_blocking=True)
+        return gumbel_argmax(logits, temperature, seeds)
 
     def random_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
         """probs: [num_seqs, vocab]; seeds: row -> seed of its draw -> token ids [num_seqs]."""
