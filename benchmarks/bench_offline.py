@@ -79,8 +79,9 @@ def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
 class StepTimer:
     """Wraps ModelRunner pieces to split wall time: `prepare` (host, building tensors),
     GPU time from the first forward launch of a `run` / `run_decode_steps` call to its
-    sampled ids (CUDA events), and the rest (scheduling, postprocessing, outputs: host
-    time the GPU waits for). `steps` counts decode steps (a multi-step round counts each)."""
+    last sampled ids (CUDA events), and the rest (scheduling, postprocessing, outputs:
+    host time, which in a multi-step round partly overlaps the GPU). `steps` counts
+    decode steps (a multi-step round counts each)."""
 
     def __init__(self, runner):
         self.steps, self.run_s, self.prepare_s, self.gpu_events, self._pending = 0, 0.0, 0.0, [], None
@@ -108,14 +109,31 @@ class StepTimer:
         def timed_run(seqs, num_steps=1):
             start = time.perf_counter()
             out = run(seqs) if num_steps == 1 else run(seqs, num_steps)  # host values: the GPU is done
-            if self._pending is not None:
-                self._pending[1].record()
-                self.gpu_events.append(self._pending)
-                self._pending = None
             self.run_s += time.perf_counter() - start
             self.steps += num_steps
-            return out
+            if num_steps == 1:
+                self._end_bracket()
+                return out
+            return self._timed_steps(out)
         return timed_run
+
+    def _timed_steps(self, outputs):
+        """A multi-step round yields step by step: time spent waiting inside it is the runner's;
+        the caller's postprocessing between steps is host time (overlapping the GPU)."""
+        while True:
+            start = time.perf_counter()
+            output = next(outputs, None)
+            self.run_s += time.perf_counter() - start
+            if output is None:
+                self._end_bracket()
+                return
+            yield output
+
+    def _end_bracket(self) -> None:
+        if self._pending is not None:
+            self._pending[1].record()
+            self.gpu_events.append(self._pending)
+            self._pending = None
 
     def gpu_s(self) -> float:
         torch.cuda.synchronize()

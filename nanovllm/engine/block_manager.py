@@ -21,10 +21,9 @@ from itertools import count
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import NO_PARENT, Sequence
 
 NO_HASH = -1
-NO_PARENT = -1  # parent id of a sequence's first block
 
 
 def hash_block(token_ids: list[int], prev_hash: int) -> int:
@@ -110,21 +109,24 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        if num_full <= seq.num_registered_blocks:
+        first = seq.num_registered_blocks
+        if num_full <= first:
             return  # no block became full since the last call: the common decode step
         seq.num_registered_blocks = num_full
-        parent = NO_PARENT
-        for i, h in enumerate(self.block_hashes(seq, num_full)):
+        parent = seq.registered_parent  # the holder of block first - 1 (NO_PARENT for block 0)
+        hashes = self.block_hashes(seq, num_full)
+        for i in range(first, num_full):
+            if parent is None:
+                return  # the chain broke at an earlier block: nothing after it could be found
             block = self.blocks[seq.block_table[i]]
-            if block.hash == NO_HASH and h not in self.hash_to_block_id:
-                block.hash, block.token_ids, block.parent_cache_id = h, seq.block(i), parent
+            if block.hash == NO_HASH and hashes[i] not in self.hash_to_block_id:
+                block.hash, block.token_ids, block.parent_cache_id = hashes[i], seq.block(i), parent
                 block.cache_id = next(self._cache_ids)
-                self.hash_to_block_id[h] = block.block_id
+                self.hash_to_block_id[hashes[i]] = block.block_id
             # the cached block holding these tokens: this one, or another with the same tokens
-            holder = block if block.hash != NO_HASH else self._cached_block(h, seq.block(i), parent)
-            if holder is None:
-                return  # a colliding block holds hash `h`: nothing after it could be found
-            parent = holder.cache_id
+            # (None: a colliding block holds the hash)
+            holder = block if block.hash != NO_HASH else self._cached_block(hashes[i], seq.block(i), parent)
+            parent = seq.registered_parent = None if holder is None else holder.cache_id
 
     # ---- allocation ---------------------------------------------------------
 
@@ -167,6 +169,7 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+        seq.registered_parent = NO_PARENT
         seq.num_computed_tokens = 0
 
     def _take(self, block_id: int) -> None:

@@ -5,6 +5,7 @@ Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
 import gc
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +20,7 @@ from nanovllm.engine.step_inputs import build_step_inputs
 from nanovllm.kernels import get_attention_backend
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.registry import get_model_class
 from nanovllm.utils.context import Context, set_context
@@ -176,28 +177,46 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, positions, context)
         return self.model(input_ids, positions)
 
-    @torch.inference_mode()
-    def run_decode_steps(self, seqs: list[Sequence], num_steps: int) -> list[ModelRunnerOutput]:
+    def run_decode_steps(self, seqs: list[Sequence], num_steps: int) -> Iterator[ModelRunnerOutput]:
         """Run `num_steps` decode steps of `seqs` back to back, with no host sync in between:
         each step's sampled tokens feed the next on the device, positions and KV slots advance
-        there too. Returns one output per step (tokens past a sequence's end are dropped by
-        the caller). The block tables must already cover every step (Scheduler.extend_decode).
+        there too. Every step is launched first; then this yields one output per step as soon
+        as the device has it, so the caller's postprocessing of a step overlaps the device's
+        work on the later ones. Tokens past a sequence's end are the caller's to drop. The
+        block tables must already cover every step (Scheduler.extend_decode).
         """
+        launched = self._launch_decode_steps(seqs, num_steps)
+        rows = list(range(len(seqs)))
+        for sample, ready in launched:
+            if ready is not None:
+                ready.synchronize()  # this step's tokens are in pinned host memory
+            output = ModelRunnerOutput.empty(len(seqs))
+            output.add_samples(rows, seqs, sample)
+            yield output
+
+    @torch.inference_mode()
+    def _launch_decode_steps(self, seqs: list[Sequence],
+                             num_steps: int) -> list[tuple[SamplerOutput, torch.cuda.Event | None]]:
+        """Queue every step of a round; per step its sampler output (token ids copied to pinned
+        host memory on a GPU) and the event that marks them ready (None on CPU)."""
         input_ids, positions, context, _ = self.prepare(seqs)
         metadata = SamplingMetadata.build(seqs, self.model_config.vocab_size, self.device)
-        samples = []
+        launched, token_ids = [], None
         for step in range(num_steps):
             if step > 0:
-                input_ids, positions, context = self._advance_decode(samples[-1].token_ids, positions, context)
+                input_ids, positions, context = self._advance_decode(token_ids, positions, context)
                 metadata.advance_seeds(seqs, step)
             with set_context(context):
                 logits = self.model.compute_logits(self._forward(input_ids, positions, context))
-            samples.append(self.sampler(logits, metadata))
-        outputs = []
-        for sample in samples:  # the first .tolist() waits for the whole round
-            outputs.append(ModelRunnerOutput.empty(len(seqs)))
-            outputs[-1].add_samples(list(range(len(seqs))), seqs, sample)
-        return outputs
+            sample = self.sampler(logits, metadata)
+            token_ids, ready = sample.token_ids, None
+            if self.device.type == "cuda":
+                host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+                sample = replace(sample, token_ids=host.copy_(token_ids, non_blocking=True))
+                ready = torch.cuda.Event()
+                ready.record()
+            launched.append((sample, ready))
+        return launched
 
     def _advance_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
                         context: Context) -> tuple[torch.Tensor, torch.Tensor, Context]:

@@ -12,6 +12,8 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+NO_PARENT = -1  # parent cache id of a sequence's first block (see BlockManager)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -35,6 +37,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of full blocks, filled lazily
         self.num_registered_blocks = 0      # leading full blocks already offered to the prefix cache
+        # cache id of the block holding the last registered one (the next one's parent);
+        # NO_PARENT before the first, None once a hash collision broke the chain
+        self.registered_parent: int | None = NO_PARENT
         self.num_computed_tokens = 0    # tokens whose K/V are in the cache
         self.num_cached_tokens = 0      # of those, taken from the prefix cache at the first admission
         self.admitted = False           # True once the sequence first got KV blocks

@@ -19,7 +19,7 @@ import triton.language as tl
 
 BLOCK = 1024        # columns a program handles at once
 MAX_CHUNK = 8192    # columns per program: a 152k vocabulary is 19 programs per row
-TINY = 1.1754943508222875e-38  # smallest normal float32: keeps log(U) finite
+TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32: keeps log(U) finite
 
 
 @triton.jit
