@@ -14,10 +14,12 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # at most 15 slots, and our attention kernels gather keys by slot, so the block size
 # does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
 DEFAULT_BLOCK_SIZE = 16
-# Eight decode steps per scheduling round on a GPU: B1 measured the host's per-step work
-# at about as long as the GPU's, so one round of eight leaves the GPU waiting ~1/8 as much.
-# New requests join at round boundaries (at most 7 steps later).
-DEFAULT_GPU_SCHEDULER_STEPS = 8
+# Sixteen decode steps per scheduling round on a GPU. B1 on the H200 (benchmarks/RESULTS.md)
+# measured 20.4-20.7k tok/s at 8, 21.7k at 16, 22.4k at 32: the host's work at each round
+# boundary (postprocess the last step, schedule, build the inputs) leaves the GPU idle.
+# The cost of more: new requests join and streams get their tokens at round boundaries
+# (16 steps: ~90 ms at B1's batch), and a request that stops early wastes the rest.
+DEFAULT_GPU_SCHEDULER_STEPS = 16
 
 
 @dataclass(frozen=True)

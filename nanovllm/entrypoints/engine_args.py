@@ -26,7 +26,7 @@ ENGINE_ARG_HELP = {
     "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
     "kv_cache_memory_bytes": "CPU: bytes for the KV cache",
     "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",
-    "num_scheduler_steps": "decode steps per scheduling round; default: 8 on one GPU, else 1",
+    "num_scheduler_steps": "decode steps per scheduling round; default: 16 on one GPU, else 1",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
     "max_n": "largest n (samples per request) accepted",
     "trust_remote_code": "accepted for vLLM compatibility; nothing remote runs",
