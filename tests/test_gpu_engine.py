@@ -8,12 +8,14 @@
 """
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import StagingBuffer
 from nanovllm.utils.context import set_context
 from tiny_models import hf_greedy, random_prompts
 
@@ -124,3 +126,16 @@ def _hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
 def _hf_on_gpu(path: str, dtype: torch.dtype):
     """A fresh HF copy of the saved model (the shared fp32 CPU reference stays untouched)."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+
+
+def test_staging_buffer_sends_arrays_intact():
+    """Mixed dtypes, odd sizes (alignment), an empty array, 2-D; reuse and growth of the buffer."""
+    staging = StagingBuffer(torch.device("cuda"))
+    steps = [[np.arange(5, dtype=np.int64), np.zeros(0, np.int64), np.arange(21, dtype=np.int32).reshape(3, 7),
+              np.array([-1], np.int32)],
+             [np.arange(3, dtype=np.int32), np.arange(100_000, dtype=np.int64)]]  # grows the buffer
+    for arrays in steps * 2:  # each shape twice: the second time reuses the buffer
+        sent = staging.to_device(*arrays)
+        for array, tensor in zip(arrays, sent):
+            assert tensor.is_cuda and tensor.shape == array.shape
+            assert np.array_equal(tensor.cpu().numpy(), array) and tensor.cpu().numpy().dtype == array.dtype

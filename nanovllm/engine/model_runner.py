@@ -16,7 +16,7 @@ from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import build_step_inputs
+from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
 from nanovllm.kernels import get_attention_backend
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
@@ -44,6 +44,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.dtype)
         self.model = self._load_model(source)
+        self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
         self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graph_runner = self._capture_cuda_graphs()
@@ -158,19 +159,19 @@ class ModelRunner:
         context, and the indices (into `seqs`) of the sequences that sample.
         """
         step = build_step_inputs(seqs, self.block_size)
-        t = self._to_device
+        input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_indices = \
+            self._to_device(step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q,
+                            step.seq_lens_k, step.block_tables, step.logits_indices)
         context = Context(
-            slot_mapping=t(step.slot_mapping), cu_seqlens_q=t(step.cu_seqlens_q),
-            seq_lens_k=t(step.seq_lens_k), block_tables=t(step.block_tables),
-            max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
-            is_decode_only=step.is_decode_only, logits_indices=t(step.logits_indices))
-        return t(step.input_ids), t(step.positions), context, step.sampling
+            slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k,
+            block_tables=block_tables, max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
+            is_decode_only=step.is_decode_only, logits_indices=logits_indices)
+        return input_ids, positions, context, step.sampling
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        if self.staging is None:
+            return [torch.from_numpy(array) for array in arrays]
+        return self.staging.to_device(*arrays)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):

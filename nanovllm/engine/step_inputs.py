@@ -1,12 +1,16 @@
-"""The host-side arrays of one step: what `ModelRunner` copies to the device.
+"""The host-side arrays of one step, and their trip to the device.
 
 Built with numpy from the scheduled sequences. Decode-only steps (one token per
 sequence, the common case in a busy engine) take a short path with no per-token
 loops; the general path handles prefill chunks over cached prefixes too.
+`StagingBuffer` sends a step's arrays to the GPU in one host-to-device copy.
 """
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+
+ALIGN_BYTES = 8  # each array starts at a multiple of this, so its bytes view as int64
 
 from nanovllm.engine.sequence import Sequence
 
@@ -61,3 +65,40 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
     for i, s in enumerate(seqs):
         tables[i, :len(s.block_table)] = s.block_table
     return tables
+
+
+class StagingBuffer:
+    """Sends several numpy arrays to a CUDA device in one copy from pinned memory.
+
+    A step's arrays are packed into one pinned byte buffer (kept and grown as needed),
+    copied to the device in one non-blocking transfer, and handed back as typed views
+    of the device bytes. Separate copies each cost a pinned allocation and a launch, and
+    the GPU, idle at that point of a round, waited for each in turn. The buffer is
+    reused only once the previous transfer out of it has finished.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+        self._copied: torch.cuda.Event | None = None
+
+    def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        offsets, end = [], 0
+        for array in arrays:
+            offsets.append(end)
+            end += -(-array.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        if self._copied is not None:
+            self._copied.synchronize()
+        if end > self._pinned.numel():
+            self._pinned = torch.empty(2 * end, dtype=torch.uint8, pin_memory=True)
+        host = self._pinned.numpy()
+        for array, offset in zip(arrays, offsets):
+            host[offset:offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        device_bytes = self._pinned[:end].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return [device_bytes[offset:offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+                for array, offset in zip(arrays, offsets)]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
