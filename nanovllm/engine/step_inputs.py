@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ALIGN_BYTES = 8  # each array starts at a multiple of this, so its bytes view as int64
+ALIGN_BYTES = 256  # each array starts as aligned as its own allocation would (Triton specializes on 16)
 
 from nanovllm.engine.sequence import Sequence
 
