@@ -6,7 +6,7 @@ dataclass, so the model code reads a single vocabulary. Fields the engine does
 not implement (sliding windows, MLP bias, unknown rope types, other activations)
 are rejected here with a clear error instead of giving silently wrong text.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default max_position_embeddings for these families
