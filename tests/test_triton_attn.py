@@ -19,16 +19,13 @@ Every run draws fresh random inputs (the seed is in each failure message); outpu
 split-KV workspaces and cache slots outside every context are NaN-poisoned, so an
 unwritten element or an unmasked read shows up as NaN.
 """
-import importlib.util
-import os
 import secrets
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from nanovllm.kernels import torch_ref
+from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -36,20 +33,13 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # atol = rtol
 SPARE_BLOCKS = 3   # cache blocks no sequence owns: they stay NaN
 TABLE_PAD = 2      # extra -1 columns in every block table
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-RUN_HERE = HAS_TRITON and (HAS_CUDA or INTERPRETED)
 CHILD_TIMEOUT_S = 600
 
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="kernels run in this process")
 def test_kernels_under_triton_interpreter():
     """No GPU: run this file again, in a child process with the interpreter on."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__], env=env, capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

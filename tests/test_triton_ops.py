@@ -1,33 +1,25 @@
 """Fused Triton ops (`kernels/triton_ops.py`) against their torch versions.
 
 Runs natively on a GPU (bf16 included). Without one, the file re-runs itself in a
-child process with `TRITON_INTERPRET=1` set from the start (the same scheme as
-test_triton_attn.py: the interpreter must be on before triton is first imported).
+child process with `TRITON_INTERPRET=1` set from the start (tests/triton_interpreter.py:
+the interpreter must be on before triton is first imported).
 """
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from nanovllm.kernels import fused_ops
+from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
+CHILD_TIMEOUT_S = 300
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-RUN_HERE = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="ops run in this process")
 def test_ops_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
 needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")

@@ -1,21 +1,17 @@
 """The fused Gumbel-max sampling kernel (`kernels/triton_sampling.py`).
 
 Runs natively on a GPU. Without one, the file re-runs itself in a child process with
-`TRITON_INTERPRET=1` set from the start (as test_triton_ops.py does). The exact-result
+`TRITON_INTERPRET=1` set from the start (tests/triton_interpreter.py). The exact-result
 tests also run with tiny chunks, so that a row spans several programs and loop iterations.
 """
-import importlib.util
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+
 HAS_CUDA = torch.cuda.is_available()
+CHILD_TIMEOUT_S = 300
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-RUN_HERE = HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 # The interpreter runs a program in about 20 ms: fewer draws there. The draws use fixed
 # seeds, so the outcome is the same on every run; a frequency's standard deviation is at
 # most sqrt(0.25 / NUM_DRAWS), and the bound is 4.5 of them (0.016 on a GPU, 0.09 here).
@@ -25,10 +21,7 @@ FREQ_TOLERANCE = 4.5 * (0.25 / NUM_DRAWS) ** 0.5
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="the kernel runs in this process")
 def test_sampling_kernel_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
 needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
