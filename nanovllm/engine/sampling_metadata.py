@@ -97,6 +97,14 @@ class SamplingMetadata:
         self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
                       if seq.sampling_params.seed is not None and not greedy[row]}
 
+    def row_seeds(self, num_rows: int, base: int, mask: int, device: torch.device) -> torch.Tensor:
+        """One int64 seed per row for a fused draw: a seeded row's own (`& mask`), `base + row`
+        for the others.  # [num_rows]"""
+        seeds = [base + row for row in range(num_rows)]
+        for row, seed in self.seeds.items():
+            seeds[row] = seed & mask
+        return _tensor(seeds, torch.int64, device)
+
     def advance_seeds(self, seqs: list[Sequence], step: int) -> None:
         """Seeds of decode step `step` of a multi-step round (positions `step` tokens further)."""
         self.seeds = {row: step_seed(seqs[row].sampling_params.seed, seqs[row].num_tokens + step)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ALIGN_BYTES = 256  # each array starts as aligned as its own allocation would (Triton specializes on 16)
-
 from nanovllm.engine.sequence import Sequence
+
+ALIGN_BYTES = 256  # each array starts as aligned as its own allocation would (Triton specializes on 16)
 
 
 @dataclass

@@ -93,11 +93,7 @@ class Sampler(nn.Module):
         if metadata.is_greedy is not None:
             temperature = temperature.masked_fill(metadata.is_greedy, 0.0)
         base = int(torch.randint(MAX_SEED, (1,)))  # the CPU generator: no device sync
-        seeds = [base + row for row in range(logits.shape[0])]
-        for row, seed in metadata.seeds.items():
-            seeds[row] = seed & MAX_SEED
-        seeds = torch.tensor(seeds, dtype=torch.int64, pin_memory=True).to(logits.device, non_blocking=True)
-        return gumbel_argmax(logits, temperature, seeds)
+        return gumbel_argmax(logits, temperature, metadata.row_seeds(logits.shape[0], base, MAX_SEED, logits.device))
 
     def random_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
         """probs: [num_seqs, vocab]; seeds: row -> seed of its draw -> token ids [num_seqs]."""
