@@ -68,7 +68,7 @@ def report(path: str, min_gap_us: float = 20.0, top: int = 15) -> str:
         lines.append(f"  {length:8.1f}  {before[:40]} -> {after[:NAME_WIDTH]}")
     runtime = defaultdict(lambda: [0.0, 0])
     for e in events:
-        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
             runtime[e["name"]][0] += e.get("dur", 0)
             runtime[e["name"]][1] += 1
     lines.append("host CUDA calls, total ms / count:")

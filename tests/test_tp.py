@@ -33,6 +33,7 @@ from nanovllm.models.registry import get_model_class
 from nanovllm.utils.loader import iter_safetensors, load_named_weights
 from nanovllm.utils.parallel import tensor_parallel
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
+from tp_checks import SHM_DIR, assert_gone
 
 TP = 2
 NEW_TOKENS = 32
@@ -40,7 +41,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64)
 HANG_LIMIT_S = 120  # a failure test that takes longer than this has hung: abort the run
 KILL_DELAY_S = 0.3  # well inside the 200 decode steps of the killed-worker test
-SHM_DIR = "/dev/shm"
 # Llama's tiny model is rebuilt with an odd vocabulary, so that the 2-way split pads it
 # (the others keep 320 = 2 * 160); it also has one KV head, replicated on both ranks.
 OVERRIDES = {"llama": dict(vocab_size=321)}
@@ -65,22 +65,10 @@ def _group(llm: LLM):
     return llm.llm_engine.model_runner.group
 
 
-def _assert_gone(pids: list[int], shm_names: list[str]) -> None:
-    for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"worker {pid} is still running"
-    for name in shm_names:
-        assert not os.path.exists(os.path.join(SHM_DIR, name)), f"segment {name} left in {SHM_DIR}"
-
-
 def _assert_no_group_here() -> None:
     """This process has no worker child left and no process group."""
     assert not mp.active_children()
     assert not dist.is_initialized()
-
-
-def _is_zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.fixture
@@ -211,7 +199,7 @@ def test_tp2_matches_tp1_and_hf(tp_model, family):
         assert sum(o.num_cached_tokens for o in outs) >= 16  # at least one block was a cache hit
         _assert_logprobs_close(_logprobs(llm, prompts), tp1_logprobs)  # the LM head's gather, per prompt token
         assert llm.llm_engine.block_manager.num_free_blocks == 64
-    _assert_gone(pids, shm_names)
+    assert_gone(pids, shm_names)
     _assert_no_group_here()
 
 
@@ -230,7 +218,7 @@ def test_tp2_with_preemption_chunked_prefill_and_a_growing_channel(tp_model, mon
         assert group._res.channel.shm.size > 256
         assert not os.path.exists(os.path.join(SHM_DIR, first_segment))  # the outgrown one is gone
         pids, shm_names = group.pids, [group._res.channel.shm.name]
-    _assert_gone(pids, shm_names)
+    assert_gone(pids, shm_names)
     _assert_no_group_here()
 
 
@@ -270,7 +258,7 @@ def test_a_killed_worker_gives_an_error_not_a_hang(tp_model, watchdog, when):
     with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) died during 'run'"):
         while engine.has_unfinished_requests():
             engine.step()
-    _assert_gone(pids, shm_names)
+    assert_gone(pids, shm_names)
     _assert_no_group_here()
     with pytest.raises(TensorParallelError, match="has stopped"):
         engine.step()
@@ -288,7 +276,7 @@ def test_a_worker_that_raises_is_reported_with_its_traceback(tp_model, watchdog)
         # a batch it cannot read, raises, reports and leaves
         with pytest.raises(TensorParallelError, match=r"(?s)rank 1 .* raised during 'run'.*AttributeError"):
             group.call("run", (seqs,), ([None],))
-    _assert_gone(pids, shm_names)
+    assert_gone(pids, shm_names)
     _assert_no_group_here()
 
 
@@ -324,7 +312,7 @@ def test_two_engines_coexist_and_interpreter_exit_cleans_up(tp_model, watchdog):
         assert child.returncode == 0, child.stderr
         pid, shm_name, tokens = child.stdout.split(maxsplit=2)
         assert eval(tokens) == hf_greedy(hf, [5, 6, 7], 4)  # the other engine worked alongside
-        _assert_gone([int(pid)], [shm_name])
+        assert_gone([int(pid)], [shm_name])
         assert _generate(llm, [prompt]) == [hf_greedy(hf, prompt, NEW_TOKENS)]  # and this one still works
 
 

@@ -5,8 +5,6 @@
 - Rank 1 really runs on the second GPU: its KV cache takes that GPU's memory.
 - Nothing is left behind: no worker process, no /dev/shm segment, no process group.
 """
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
+from tp_checks import assert_gone
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
@@ -25,7 +24,6 @@ ENGINE = dict(dtype="float32", skip_tokenizer_init=True, device="cuda", max_mode
               gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
 # An odd vocabulary for Llama, so that the 2-way split of the embedding and LM head pads it.
 OVERRIDES = {"llama": dict(vocab_size=321)}
-SHM_DIR = "/dev/shm"
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +75,7 @@ def _run(path: str, prompts, **kwargs) -> list[list[int]]:
         pids, shm_name = group.pids, group._res.channel.shm.name
         # rank 1's KV cache (about GPU_MEMORY_UTILIZATION of the card) lives on GPU 1
         assert free_before - _free_bytes(1) > GPU_MEMORY_UTILIZATION / 2 * torch.cuda.mem_get_info(1)[1]
-    for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"worker {pid} is still running"
-    assert not os.path.exists(os.path.join(SHM_DIR, shm_name))
+    assert_gone(pids, [shm_name])
     assert not dist.is_initialized()
     return ids
 
-
-def _is_zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
