@@ -80,10 +80,12 @@ def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
 
 class StepTimer:
     """Wraps ModelRunner pieces to split wall time: `prepare` (host, building tensors),
-    GPU time from the first forward launch of a `run` / `run_decode_steps` call to its
-    last sampled ids (CUDA events), and the rest (scheduling, postprocessing, outputs:
-    host time, which in a multi-step round partly overlaps the GPU). `steps` counts
-    decode steps (a multi-step round counts each)."""
+    GPU time from the first forward launch of a `run` / `launch_decode_round` call to its
+    last sampled ids (CUDA events recorded in the stream: rounds launched ahead of time
+    start their bracket when the GPU reaches them), time in the runner (launching, waiting
+    for tokens), and the rest (scheduling, postprocessing, outputs: host time, which in a
+    multi-step round partly overlaps the GPU). `steps` counts decode steps (a multi-step
+    round counts each)."""
 
     def __init__(self, runner):
         self.steps, self.run_s, self.prepare_s, self.gpu_events, self._pending = 0, 0.0, 0.0, [], None
@@ -91,13 +93,15 @@ class StepTimer:
         driver = getattr(runner, "driver", runner)  # rank 0's ModelRunner under tensor parallelism
         self._prepare, self._forward = driver.prepare, driver._forward
         driver.prepare, driver._forward = self._timed_prepare, self._timed_forward
-        runner.run = self._timed(runner.run)
-        if hasattr(runner, "run_decode_steps"):  # one rank only
-            runner.run_decode_steps = self._timed(runner.run_decode_steps)
+        self._run = runner.run
+        runner.run = self._timed_run
+        if hasattr(runner, "launch_decode_round"):  # one rank only
+            self._launch = runner.launch_decode_round
+            runner.launch_decode_round = self._timed_launch
 
-    def _timed_prepare(self, seqs):
+    def _timed_prepare(self, *args):
         start = time.perf_counter()
-        out = self._prepare(seqs)
+        out = self._prepare(*args)
         self.prepare_s += time.perf_counter() - start
         return out
 
@@ -107,29 +111,36 @@ class StepTimer:
             self._pending[0].record()
         return self._forward(*args)
 
-    def _timed(self, run):
-        def timed_run(seqs, num_steps=1):
-            start = time.perf_counter()
-            out = run(seqs) if num_steps == 1 else run(seqs, num_steps)  # host values: the GPU is done
-            self.run_s += time.perf_counter() - start
-            self.steps += num_steps
-            if num_steps == 1:
-                self._end_bracket()
-                return out
-            return self._timed_steps(out)
-        return timed_run
+    def _timed_run(self, seqs):
+        start = time.perf_counter()
+        out = self._run(seqs)  # host values: the GPU is done
+        self.run_s += time.perf_counter() - start
+        self.steps += 1
+        self._end_bracket()
+        return out
 
-    def _timed_steps(self, outputs):
-        """A multi-step round yields step by step: time spent waiting inside it is the runner's;
-        the caller's postprocessing between steps is host time (overlapping the GPU)."""
-        while True:
-            start = time.perf_counter()
-            output = next(outputs, None)
-            self.run_s += time.perf_counter() - start
-            if output is None:
-                self._end_bracket()
-                return
-            yield output
+    def _timed_launch(self, seqs, num_steps, after=None):
+        start = time.perf_counter()
+        decode_round = self._launch(seqs, num_steps, after=after)
+        self._end_bracket()  # recorded in the stream after the round's last step
+        self.run_s += time.perf_counter() - start
+        self.steps += num_steps
+        decode_round.outputs = self._timed_outputs(decode_round.outputs)
+        return decode_round
+
+    def _timed_outputs(self, outputs):
+        """Time spent waiting for a round's tokens is the runner's; the caller's
+        postprocessing between steps is host time (overlapping the GPU)."""
+        def timed():
+            steps = outputs()
+            while True:
+                start = time.perf_counter()
+                output = next(steps, None)
+                self.run_s += time.perf_counter() - start
+                if output is None:
+                    return
+                yield output
+        return timed
 
     def _end_bracket(self) -> None:
         if self._pending is not None:
@@ -151,6 +162,8 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="decode steps per scheduling round (default: the engine's)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="chain decode rounds ahead of the host (default: the engine's)")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed run, profile a second run and print GPU time by kernel")
     ap.add_argument("--trace", metavar="PREFIX",
@@ -167,7 +180,8 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps)
+              tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps,
+              async_scheduling=args.async_scheduling)
     load_s = time.perf_counter() - t0
     # Warm-up: a slice of the workload itself, so that the Triton kernel variants its prefill,
     # mixed and decode steps need are compiled (or loaded from the on-disk cache) before timing.
@@ -184,6 +198,7 @@ def main():
     result = {"bench": "B1", "output_tokens": tokens, "seconds": round(elapsed, 3),
               "tok_per_s": round(tokens / elapsed, 1), "load_s": round(load_s, 2), "steps": timer.steps,
               "num_scheduler_steps": llm.llm_engine.num_scheduler_steps,
+              "async_scheduling": llm.llm_engine.async_scheduling,
               "ms_per_step": per_step(elapsed), "gpu_ms_per_step": per_step(gpu_s),
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),

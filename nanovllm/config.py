@@ -46,6 +46,10 @@ class Config:
     # scheduling): the host's scheduling and output work is paid once per round. None:
     # DEFAULT_GPU_SCHEDULER_STEPS on a GPU with one rank, 1 elsewhere.
     num_scheduler_steps: int | None = None
+    # Launch each multi-step round before the host has seen the last step of the one before
+    # (vLLM's async scheduling), so the device does not wait for the round boundary's host
+    # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
+    async_scheduling: bool | None = None
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
 
     def __post_init__(self):
@@ -59,6 +63,8 @@ class Config:
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
                                                      or self.num_scheduler_steps < 1):
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -3,7 +3,10 @@
 A round runs several decode steps on the device with no host sync between them;
 tokens past a sequence's end are dropped. Greedy ids must equal HF's, seeded
 sampling must draw the same tokens as single steps, EOS and max_tokens must stop a
-sequence inside a round, and every block must be free afterwards.
+sequence inside a round, and every block must be free afterwards. Each check runs
+with plain rounds and with async scheduling (Config.async_scheduling: each round
+launched before the host has seen the last step of the one before), which must
+give the same results and still admit newcomers and aborts between rounds.
 """
 import pytest
 
@@ -14,46 +17,108 @@ STEPS = 4
 PROMPTS = random_prompts([5, 17, 33, 9], seed=3)
 
 
+MODES = ("rounds", "async")
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     path, hf = tiny_model("qwen3")
-    make = lambda steps: LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,  # noqa: E731
-                             num_scheduler_steps=steps, max_num_seqs=len(PROMPTS))
-    return make(1), make(STEPS), hf
+
+    def make(steps, async_scheduling=None):
+        return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
+                   num_scheduler_steps=steps, max_num_seqs=len(PROMPTS), async_scheduling=async_scheduling)
+    return {"single": make(1), "rounds": make(STEPS), "async": make(STEPS, True), "hf": hf}
 
 
-def _run(llm, params):
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+def _run(llm, params, prompts=PROMPTS):
+    outs = llm.generate(prompts, params, use_tqdm=False)
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     return [o.outputs[0] for o in outs]
 
 
-def test_greedy_matches_hf_with_rounds_ending_mid_round(engines):
-    _, multi, hf = engines
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_hf_with_rounds_ending_mid_round(engines, mode):
     max_tokens = [5, 13, 32, 7]  # not multiples of STEPS: rounds overshoot and drop tokens
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    for prompt, m, out in zip(PROMPTS, max_tokens, _run(multi, params)):
-        assert out.token_ids == hf_greedy(hf, prompt, m)
+    for prompt, m, out in zip(PROMPTS, max_tokens, _run(engines[mode], params)):
+        assert out.token_ids == hf_greedy(engines["hf"], prompt, m)
         assert out.finish_reason == "length"
 
 
-def test_seeded_sampling_and_logprobs_equal_single_steps(engines):
-    single, multi, _ = engines
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_and_logprobs_equal_single_steps(engines, mode):
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True, logprobs=2)
               for i in range(len(PROMPTS))]
-    for a, b in zip(_run(single, params), _run(multi, params)):
+    for a, b in zip(_run(engines["single"], params), _run(engines[mode], params)):
         assert a.token_ids == b.token_ids
         assert len(b.logprobs) == len(b.token_ids)
         assert [next(iter(d)) for d in b.logprobs] == b.token_ids
         assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
 
 
-def test_eos_stops_inside_a_round(engines):
-    single, multi, _ = engines
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_stops_inside_a_round(engines, mode):
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=60)  # eos ids 1, 2 are in the vocabulary
-    plain, rounds = _run(single, params), _run(multi, params)
+    plain, rounds = _run(engines["single"], params), _run(engines[mode], params)
     assert [o.token_ids for o in rounds] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in rounds] == [o.finish_reason for o in plain]
     stopped = [o for o in rounds if o.finish_reason == "stop"]
     assert all(o.token_ids[-1] in (1, 2) for o in stopped)
+
+
+def test_async_rounds_are_launched_ahead_of_the_host(engines):
+    """The chained launches happen (and replace scheduler passes), not just the plain path."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    counts = {}
+    for mode in MODES:
+        engine = engines[mode].llm_engine
+        schedule, launch = engine.scheduler.schedule, engine.model_runner.launch_decode_round
+        calls = {"schedule": 0, "chained": 0}
+
+        def counted_schedule():
+            calls["schedule"] += 1
+            return schedule()
+
+        def counted_launch(seqs, num_steps, after=None):
+            calls["chained"] += after is not None
+            return launch(seqs, num_steps, after=after)
+        engine.scheduler.schedule, engine.model_runner.launch_decode_round = counted_schedule, counted_launch
+        try:
+            _run(engines[mode], params)
+        finally:
+            engine.scheduler.schedule, engine.model_runner.launch_decode_round = schedule, launch
+        counts[mode] = calls
+    assert counts["rounds"]["chained"] == 0
+    assert counts["async"]["chained"] >= 5  # 30 tokens in rounds of 4: most rounds chain
+    assert counts["async"]["schedule"] < counts["rounds"]["schedule"]
+
+
+def test_newcomer_and_abort_while_a_round_is_in_flight(engines):
+    engine = engines["async"].llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first, doomed = engine.add_request(None, PROMPTS[0], greedy), engine.add_request(None, PROMPTS[1], greedy)
+    outputs = {first: [], doomed: []}
+    while engine._next_round is None:  # run until a round was launched ahead of the host
+        for out in engine.step():
+            outputs[out.request_id] += out.outputs[0].token_ids
+    late = engine.add_request(None, PROMPTS[2], greedy)  # waits for the chained round
+    engine.abort(doomed)  # its rows in the chained round are dropped
+    outputs[late] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != doomed
+            outputs[out.request_id] += out.outputs[0].token_ids
+    hf = engines["hf"]
+    assert outputs[first] == hf_greedy(hf, PROMPTS[0], 40)
+    assert outputs[late] == hf_greedy(hf, PROMPTS[2], 40)
+    assert outputs[doomed] == hf_greedy(hf, PROMPTS[1], len(outputs[doomed]))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_async_scheduling_settings_are_checked(tiny_model):
+    path, _ = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1"):
+        LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=16, num_scheduler_steps=1, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling must be a bool"):
+        LLM(path, skip_tokenizer_init=True, async_scheduling="yes")

@@ -12,6 +12,7 @@ from itertools import count
 from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS, Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import make_model_runner
+from nanovllm.engine.model_runner import DecodeRound
 from nanovllm.engine.model_source import ModelSource, resolve_model
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput
@@ -31,6 +32,9 @@ class LLMEngine:
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()
         self.max_model_len = self._max_model_len()
+        self.num_scheduler_steps = self._num_scheduler_steps()
+        self.async_scheduling = self._async_scheduling()
+        self._next_round: DecodeRound | None = None  # launched ahead of the host (async scheduling)
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -41,7 +45,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
-        self.num_scheduler_steps = self._num_scheduler_steps()
 
     def _max_model_len(self) -> int:
         """Config.max_model_len, or the model's max_position_embeddings; never beyond what the model supports."""
@@ -60,6 +63,18 @@ class LLMEngine:
         if steps > 1 and tp > 1:
             raise ValueError(f"num_scheduler_steps {steps} needs tensor_parallel_size 1, got {tp}")
         return steps
+
+    def _async_scheduling(self) -> bool:
+        """On by default where multi-step rounds run on a GPU: there the next round's launch
+        overlaps the current one. On a CPU every launch runs to the end at once, so chaining
+        gains nothing there and wastes the rows of sequences that stop."""
+        wanted = self.config.async_scheduling
+        if wanted and self.num_scheduler_steps == 1:
+            raise ValueError("async_scheduling chains multi-step decode rounds: it needs "
+                             f"num_scheduler_steps > 1, got {self.num_scheduler_steps}")
+        if wanted is None:
+            return self.num_scheduler_steps > 1 and resolve_device(self.config.device).type == "cuda"
+        return wanted
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -185,27 +200,63 @@ class LLMEngine:
         on the last output of a request.
         """
         start = time.perf_counter()
+        if self._next_round is not None:  # launched by the previous step (async scheduling)
+            decode_round, self._next_round = self._next_round, None
+            return self._finish_round(decode_round, start)
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        num_decode = sum(1 for s in seqs if not s.is_prefilling)
-        num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
         num_steps = self._decode_steps(seqs)
         if num_steps > 1:
-            for output in self.model_runner.run_decode_steps(seqs, num_steps):
-                for seq in seqs:
-                    seq.num_scheduled_tokens = 1  # postprocess consumed the previous step's
-                self._postprocess(seqs, output)
-            advanced = seqs
-        else:
-            output = self._postprocess(seqs, self.model_runner.run(seqs))
-            advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
-        outputs = self.output_processor.make_outputs(advanced)
-        self.last_step_stats = (num_prefill, num_decode * num_steps, time.perf_counter() - start)
-        return outputs
+            return self._finish_round(self.model_runner.launch_decode_round(seqs, num_steps), start)
+        num_decode = sum(1 for s in seqs if not s.is_prefilling)
+        num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
+        output = self._postprocess(seqs, self.model_runner.run(seqs))
+        advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
+        self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
+        return self.output_processor.make_outputs(advanced)
 
-    def _decode_steps(self, seqs: list[Sequence]) -> int:
-        """Decode steps to run back to back this round (1: a plain step).
+    def _finish_round(self, decode_round: DecodeRound, start: float) -> list[RequestOutput]:
+        """Take a launched decode round's tokens step by step as the device produces them.
+
+        With async scheduling, the next round is launched once only this round's last
+        step is outstanding, so the device goes on while the host finishes this one.
+        A chained round may carry sequences that finished (or were aborted) since its
+        launch: their rows are computed and dropped.
+        """
+        seqs = decode_round.seqs
+        live = [seq for seq in seqs if not seq.is_finished]
+        for i, output in enumerate(decode_round.outputs()):
+            for seq in seqs:
+                seq.num_scheduled_tokens = 1  # postprocess consumes one token a step
+            self._postprocess(seqs, output)
+            if i == decode_round.num_steps - 2 and self.async_scheduling:
+                self._next_round = self._chain(decode_round)
+        self.last_step_stats = (0, len(live) * decode_round.num_steps, time.perf_counter() - start)
+        return self.output_processor.make_outputs(live)
+
+    def _chain(self, decode_round: DecodeRound) -> DecodeRound | None:
+        """Launch the round after `decode_round`, whose last step the host has not seen yet;
+        None when the next round needs the scheduler (newcomers waiting, a running sequence
+        outside this round, too few free blocks, sampling that depends on the new tokens)."""
+        in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
+        if self.scheduler.waiting or any(s.seq_id not in in_round for s in self.scheduler.running):
+            return None
+        # sequences that the outstanding token ends for sure are left out; a stop token or
+        # string ends others only once seen, and their rows in the next round are dropped
+        seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
+        if not seqs:
+            return None
+        num_steps = self._decode_steps(seqs, num_pending=1)
+        if num_steps == 1:
+            return None
+        for seq in seqs:
+            seq.num_scheduled_tokens = 1
+        return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
+
+    def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
+        """Decode steps to run back to back this round (1: a plain step), after `num_pending`
+        tokens not seen by the host yet; the scheduler reserves their blocks.
 
         Multi-step rounds need sampling that does not depend on the tokens of the
         round itself: no penalties, and no sequence still below its min_tokens.
@@ -214,7 +265,7 @@ class LLMEngine:
                 s.sampling_params.has_penalties or s.num_completion_tokens < s.sampling_params.min_tokens
                 for s in seqs):
             return 1
-        return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len)
+        return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
 
     def _postprocess(self, seqs: list[Sequence], output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Apply one step's sampled tokens; sequences that finished earlier in a multi-step

@@ -6,7 +6,7 @@ Everything a forward pass needs is built in `prepare_*` and published through
 """
 import gc
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -29,6 +29,36 @@ from nanovllm.utils.loader import load_dummy_weights, load_named_weights
 from nanovllm.utils.parallel import min_over_ranks, tensor_parallel
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB when neither a block count nor a budget is given
+
+
+@dataclass
+class DecodeRound:
+    """The launched steps of one multi-step decode round, consumed by the engine in order."""
+    seqs: list[Sequence]
+    steps: list[tuple[SamplerOutput, torch.cuda.Event | None]]  # per step: its sampler output
+    # (token ids in pinned host memory on a GPU) and the event marking them ready (None on CPU)
+    last_token_ids: torch.Tensor  # [num_seqs] on the device: the last step's tokens
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    def outputs(self) -> Iterator[ModelRunnerOutput]:
+        """One output per step, each as soon as the device has it: the caller's handling of a
+        step overlaps the device's work on the later ones. Tokens past a sequence's end are
+        the caller's to drop."""
+        rows = list(range(len(self.seqs)))
+        for sample, ready in self.steps:
+            if ready is not None:
+                ready.synchronize()  # this step's tokens are in pinned host memory
+            output = ModelRunnerOutput.empty(len(self.seqs))
+            output.add_samples(rows, self.seqs, sample)
+            yield output
+
+    def rows_of(self, seqs: list[Sequence]) -> np.ndarray:
+        """Row of each of `seqs` in this round.  # [len(seqs)] int64"""
+        row = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+        return np.fromiter((row[seq.seq_id] for seq in seqs), np.int64, len(seqs))
 
 
 class ModelRunner:
@@ -152,16 +182,23 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+    def prepare(self, seqs: list[Sequence],
+                after: DecodeRound | None = None) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
         """Flatten the scheduled tokens of `seqs` into one batch on the device.
 
         Returns input_ids [num_tokens], positions [num_tokens], the attention
         context, and the indices (into `seqs`) of the sequences that sample.
+        `after`: a launched round whose last tokens, not seen by the host yet, are the
+        inputs of this decode step (one per sequence), taken on the device.
         """
-        step = build_step_inputs(seqs, self.block_size)
+        step = build_step_inputs(seqs, self.block_size, num_pending=0 if after is None else 1)
+        if after is not None:
+            step.input_ids = after.rows_of(seqs)  # the device gathers the tokens by these rows
         input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens_k, block_tables, logits_indices = \
             self._to_device(step.input_ids, step.positions, step.slot_mapping, step.cu_seqlens_q,
                             step.seq_lens_k, step.block_tables, step.logits_indices)
+        if after is not None:
+            input_ids = after.last_token_ids[input_ids]
         context = Context(
             slot_mapping=slot_mapping, cu_seqlens_q=cu_seqlens_q, seq_lens_k=seq_lens_k,
             block_tables=block_tables, max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
@@ -178,35 +215,26 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, positions, context)
         return self.model(input_ids, positions)
 
-    def run_decode_steps(self, seqs: list[Sequence], num_steps: int) -> Iterator[ModelRunnerOutput]:
-        """Run `num_steps` decode steps of `seqs` back to back, with no host sync in between:
-        each step's sampled tokens feed the next on the device, positions and KV slots advance
-        there too. Every step is launched first; then this yields one output per step as soon
-        as the device has it, so the caller's postprocessing of a step overlaps the device's
-        work on the later ones. Tokens past a sequence's end are the caller's to drop. The
-        block tables must already cover every step (Scheduler.extend_decode).
-        """
-        launched = self._launch_decode_steps(seqs, num_steps)
-        rows = list(range(len(seqs)))
-        for sample, ready in launched:
-            if ready is not None:
-                ready.synchronize()  # this step's tokens are in pinned host memory
-            output = ModelRunnerOutput.empty(len(seqs))
-            output.add_samples(rows, seqs, sample)
-            yield output
-
     @torch.inference_mode()
-    def _launch_decode_steps(self, seqs: list[Sequence],
-                             num_steps: int) -> list[tuple[SamplerOutput, torch.cuda.Event | None]]:
-        """Queue every step of a round; per step its sampler output (token ids copied to pinned
-        host memory on a GPU) and the event that marks them ready (None on CPU)."""
-        input_ids, positions, context, _ = self.prepare(seqs)
+    def launch_decode_round(self, seqs: list[Sequence], num_steps: int,
+                            after: "DecodeRound | None" = None) -> "DecodeRound":
+        """Queue `num_steps` decode steps of `seqs` back to back, with no host sync in between:
+        each step's sampled tokens feed the next on the device, positions and KV slots advance
+        there too. The block tables must already cover every step (Scheduler.extend_decode).
+
+        `after`: a launched round whose last step the host has not seen yet; this round
+        continues its sequences `seqs` (a subset of them) from their tokens on the device,
+        so the device goes on without waiting for the host (async scheduling).
+        """
+        num_pending = 0 if after is None else 1
+        input_ids, positions, context, _ = self.prepare(seqs, after)
         metadata = SamplingMetadata.build(seqs, self.model_config.vocab_size, self.device)
-        launched, token_ids = [], None
+        steps, token_ids = [], None
         for step in range(num_steps):
             if step > 0:
                 input_ids, positions, context = self._advance_decode(token_ids, positions, context)
-                metadata.advance_seeds(seqs, step)
+            if step + num_pending > 0:
+                metadata.advance_seeds(seqs, step + num_pending)
             with set_context(context):
                 logits = self.model.compute_logits(self._forward(input_ids, positions, context))
             sample = self.sampler(logits, metadata)
@@ -216,8 +244,8 @@ class ModelRunner:
                 sample = replace(sample, token_ids=host.copy_(token_ids, non_blocking=True))
                 ready = torch.cuda.Event()
                 ready.record()
-            launched.append((sample, ready))
-        return launched
+            steps.append((sample, ready))
+        return DecodeRound(seqs, steps, token_ids)
 
     def _advance_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
                         context: Context) -> tuple[torch.Tensor, torch.Tensor, Context]:

@@ -115,9 +115,13 @@ class OutputProcessor:
             if stop is not None:
                 state.stop_reason = stop
                 return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self.reaches_length(seq) else None
+
+    def reaches_length(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
+        """Whether `seq` is at max_tokens or the model's length limit once it has
+        `num_new_tokens` more tokens."""
+        return (seq.num_completion_tokens + num_new_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens + num_new_tokens >= self.max_model_len)
 
     # ---- outputs ---------------------------------------------------------------
 

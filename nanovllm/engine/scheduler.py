@@ -84,21 +84,24 @@ class Scheduler:
                                f"{self.block_manager.num_blocks} blocks free): leaked blocks?")
         return scheduled
 
-    def extend_decode(self, seqs: list[Sequence], max_steps: int, max_model_len: int) -> int:
+    def extend_decode(self, seqs: list[Sequence], max_steps: int, max_model_len: int,
+                      num_pending: int = 0) -> int:
         """How many decode steps the scheduled `seqs` may run back to back (multi-step).
 
         Only a step of pure decodes with nobody waiting is extended (newcomers are
         admitted at step boundaries). Each sequence gets KV slots for every step;
         none may pass `max_model_len`. A sequence that finishes early wastes the
         rest of its steps, whose tokens are dropped. Returns 1 when not extended.
+        `num_pending`: tokens each sequence has sampled on the device beyond what the
+        host has seen (a round chained onto a running one); the steps come after them.
         """
         if max_steps == 1 or self.waiting or any(s.num_uncomputed_tokens != 1 for s in seqs):
             return 1
-        steps = min(max_steps, min(max_model_len - s.num_tokens + 1 for s in seqs))
-        if steps == 1 or self._num_new_blocks(seqs, steps) > self.block_manager.num_free_blocks:
+        steps = min(max_steps, min(max_model_len - s.num_tokens - num_pending + 1 for s in seqs))
+        if steps <= 1 or self._num_new_blocks(seqs, num_pending + steps) > self.block_manager.num_free_blocks:
             return 1  # all or nothing: no sequence keeps blocks for a round that does not run
         for seq in seqs:
-            allocated = self.block_manager.allocate_slots(seq, steps)
+            allocated = self.block_manager.allocate_slots(seq, num_pending + steps)
             assert allocated, "the blocks counted above must suffice"
         return steps
 

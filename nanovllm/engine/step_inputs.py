@@ -37,12 +37,23 @@ class StepInputs:
         return self.cu_seqlens_q[1:][self.sampling].astype(np.int64) - 1
 
 
-def build_step_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+def build_step_inputs(seqs: list[Sequence], block_size: int, num_pending: int = 0) -> StepInputs:
+    """The arrays of one step of `seqs`, each computing its `num_scheduled_tokens`.
+
+    `num_pending` (decode only): tokens each sequence has sampled on the device that the
+    host has not seen yet (a chained decode round). Positions, slots and lengths count
+    them; the input ids, unknown here, are zeros for the device to fill in.
+    """
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs)) + num_pending
     q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, len(seqs))
     ends = starts + q_lens
     tables = block_tables(seqs)
-    if q_lens.max() == 1:
+    if num_pending:
+        assert q_lens.max() == 1, "only decode steps run ahead of the host"
+        input_ids = np.zeros(len(seqs), np.int64)
+        positions = starts
+        rows = np.arange(len(seqs))
+    elif q_lens.max() == 1:
         input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, len(seqs))
         positions = starts
         rows = np.arange(len(seqs))
@@ -54,7 +65,7 @@ def build_step_inputs(seqs: list[Sequence], block_size: int) -> StepInputs:
     slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     cu_q = np.zeros(len(seqs) + 1, np.int32)
     np.cumsum(q_lens, out=cu_q[1:])
-    sampling = [i for i, s in enumerate(seqs) if ends[i] == s.num_tokens]
+    sampling = [i for i, s in enumerate(seqs) if ends[i] == s.num_tokens + num_pending]
     return StepInputs(input_ids, positions, slots, cu_q, ends.astype(np.int32), tables, sampling,
                       int(q_lens.max()), int(ends.max()))
 

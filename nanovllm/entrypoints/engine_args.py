@@ -27,6 +27,8 @@ ENGINE_ARG_HELP = {
     "kv_cache_memory_bytes": "CPU: bytes for the KV cache",
     "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",
     "num_scheduler_steps": "decode steps per scheduling round; default: 16 on one GPU, else 1",
+    "async_scheduling": "launch each decode round before the host has seen the previous one's last "
+                        "step; default: on with multi-step rounds on a GPU",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
     "max_n": "largest n (samples per request) accepted",
     "trust_remote_code": "accepted for vLLM compatibility; nothing remote runs",
@@ -44,7 +46,7 @@ def add_engine_args(group, skip: tuple[str, ...] = ("model",)) -> None:
             help_text += f" (default: {f.default})"
         base = _base_type(f.type)
         if base is bool:
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
             group.add_argument(*flags, dest=f.name, action=action, default=argparse.SUPPRESS, help=help_text)
         else:
             group.add_argument(*flags, dest=f.name, type=base, choices=ENGINE_ARG_CHOICES.get(f.name),
