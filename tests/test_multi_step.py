@@ -27,7 +27,7 @@ def engines(tiny_model):
     def make(steps, async_scheduling=None):
         return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
                    num_scheduler_steps=steps, max_num_seqs=len(PROMPTS), async_scheduling=async_scheduling)
-    return {"single": make(1), "rounds": make(STEPS), "async": make(STEPS, True), "hf": hf}
+    return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "hf": hf}
 
 
 def _run(llm, params, prompts=PROMPTS):

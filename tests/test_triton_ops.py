@@ -48,7 +48,7 @@ def test_rms_norm(dtype, hidden):
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_norm_rope_on_strided_views(dtype, with_norm):
     from nanovllm.kernels import triton_ops
-    tokens, heads, kv_heads, d, max_pos = 5, 4, 2, 32, 64
+    tokens, heads, kv_heads, d, max_pos = 5, 6, 2, 32, 64  # 6 heads: padded to 8 and masked
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=DEVICE)
     q = qkv[:, :heads * d].view(tokens, heads, d)
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
@@ -59,8 +59,7 @@ def test_norm_rope_on_strided_views(dtype, with_norm):
     ref_q, ref_k = fused_ops.norm_rope(q.cpu().clone(), k.cpu().clone(), positions.cpu(), cos_sin.cpu(),
                                        qw.cpu() if with_norm else None, kw.cpu() if with_norm else None)
     v_before = qkv[:, (heads + kv_heads) * d:].clone()
-    triton_ops.norm_rope_(q, positions, cos_sin, qw, 1e-6)
-    triton_ops.norm_rope_(k, positions, cos_sin, kw, 1e-6)
+    triton_ops.qk_norm_rope_(q, k, positions, cos_sin, qw, kw, 1e-6)
     _close(q.cpu(), ref_q, dtype)
     _close(k.cpu(), ref_k, dtype)
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched

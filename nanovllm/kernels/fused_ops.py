@@ -36,8 +36,8 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
     head_dim = q.shape[-1]
     if q.is_cuda and head_dim & (head_dim - 1) == 0:
         from nanovllm.kernels import triton_ops
-        return (triton_ops.norm_rope_(q, positions, cos_sin_cache, q_weight, eps),
-                triton_ops.norm_rope_(k, positions, cos_sin_cache, k_weight, eps))
+        triton_ops.qk_norm_rope_(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+        return q, k
     if q_weight is not None:
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]

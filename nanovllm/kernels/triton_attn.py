@@ -56,8 +56,12 @@ DECODE_NUM_STAGES = 3
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
 # segments shorter than MIN_KEYS_PER_SPLIT keys, and never into more than MAX_SPLITS.
-TARGET_PROGRAMS_PER_SM = 2
-MIN_KEYS_PER_SPLIT = 256
+# 8 and 512: B1's own decode batches replayed (benchmarks/bench_b1_attention.py, RESULTS.md
+# "B1") took 1% less attention time than with 2 and 256, the values tuned on uniform
+# contexts (NOTES_kernels.md): with B1's mixed context lengths, splitting mid-size batches
+# in two evens out the programs' work.
+TARGET_PROGRAMS_PER_SM = 8
+MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
 

@@ -42,11 +42,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_sin_ptr, pos_ptr, stride_t, stride_h, num_heads, eps,
-                      HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One program per token: optional per-head RMSNorm, then rotate-half RoPE, in place."""
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
+def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_heads, eps,
+                     HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The heads of one token of q or k, in place: optional per-head RMSNorm, then RoPE."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -60,26 +58,44 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_sin_ptr, pos_ptr, stride_t, stride_h, nu
         w2 = tl.load(w_ptr + HALF + dims)
         x1 = w1 * (f1 * inv_rms[:, None]).to(x1.dtype)
         x2 = w2 * (f2 * inv_rms[:, None]).to(x2.dtype)
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     tl.store(base + dims, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
     tl.store(base + HALF + dims, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
 
 
-def norm_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-               weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """In place on x: [num_tokens, num_heads, head_dim] (a strided view is fine).
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
+                         HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+                         BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+    """One program per token: its q heads, then its k heads (one launch for both)."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
+    _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
+                     HALF, HAS_NORM, BLOCK_QH)
+    _norm_rope_heads(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
+                     HALF, HAS_NORM, BLOCK_KH)
+
+
+def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+    """In place on q: [num_tokens, num_heads, head_dim] and k: [num_tokens, num_kv_heads,
+    head_dim] (strided views are fine): per-head RMSNorm when weights are given, then RoPE.
 
     cos_sin_cache: [max_position, head_dim] float32, cos | sin halves.
     """
-    num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(2) == 1 and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
-    _norm_rope_kernel[(num_tokens,)](
-        x, weight if weight is not None else x, cos_sin_cache, positions, x.stride(0), x.stride(1),
-        num_heads, eps, HALF=head_dim // 2, HAS_NORM=weight is not None,
-        BLOCK_H=triton.next_power_of_2(num_heads))
-    return x
+    num_tokens, num_heads, head_dim = q.shape
+    assert q.stride(2) == 1 and k.stride(2) == 1 and k.shape[2] == head_dim
+    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
+    assert (q_weight is None) == (k_weight is None)
+    _qk_norm_rope_kernel[(num_tokens,)](
+        q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
+        cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        num_heads, k.shape[1], eps, HALF=head_dim // 2, HAS_NORM=q_weight is not None,
+        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]))
 
 
 @triton.jit

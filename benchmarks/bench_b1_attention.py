@@ -1,0 +1,164 @@
+"""B1's decode attention, replayed: where the paged-attention time of benchmark B1 goes.
+
+B1 (bench_offline.py) spends about three quarters of its GPU time in decode attention.
+This script rebuilds the decode batches B1 runs (which sequences are alive at each step,
+their context lengths, and block tables allocated by the engine's own BlockManager the
+way the engine allocates them: each prompt at once, then 16 steps' slots per round), on
+a KV cache as large as B1's (28 layers, most of the GPU), and times the attention of all
+layers of sampled steps as CUDA graphs (captured with max_seqlen_k = max_model_len, as
+the engine captures). Each sampled step stands for the steps around it; the weighted sum
+predicts B1's attention time, to set against the K/V bytes at copy bandwidth.
+
+Variants (`--variants`) change the decode tiles, the split-KV policy or the cache layout
+(`heads_major`: [blocks, kv_heads, block_size, head_dim] in memory, so one block of one
+head is 4 KiB contiguous; the kernels take strides, so the same code reads it through a
+permuted view).
+
+    python benchmarks/bench_b1_attention.py [--every 32] [--variants base,n64s4,...]
+"""
+import argparse
+import json
+import time
+
+import torch
+import triton.testing
+
+from bench_offline import copy_bandwidth, workload
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import triton_attn as ta
+
+NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 16, 8, 128  # Qwen3-0.6B
+BLOCK_SIZE, MAX_MODEL_LEN, ROUND_STEPS = 16, 4096, 16
+REP_MS = 40
+
+# name -> (module constants of triton_attn to set, cache layout)
+VARIANTS = {
+    "base": ({}, "tokens_major"),
+    "heads_major": ({}, "heads_major"),
+    "n64s4": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "tokens_major"),
+    "n64s3": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=3), "tokens_major"),
+    "n128s2": (dict(DECODE_BLOCK_N=128, DECODE_NUM_STAGES=2), "tokens_major"),
+    "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
+    "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
+    "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
+    "split8_256": (dict(TARGET_PROGRAMS_PER_SM=8), "tokens_major"),
+    "split16": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
+    "split16_hm": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "heads_major"),
+    "n64s4_hm": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "heads_major"),
+}
+
+
+def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], int]:
+    """(weight, block tables, context lengths) of every `every`-th decode step of B1, and
+    the number of KV blocks those tables reach."""
+    prompts, params = workload(256, 1024, 1024)
+    bm = BlockManager(1 << 20, BLOCK_SIZE, enable_prefix_caching=False)
+    seqs = [Sequence(p, block_size=BLOCK_SIZE) for p in prompts]
+    max_tokens = [p.max_tokens for p in params]
+    for seq in seqs:
+        assert bm.allocate_slots(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens - 1  # the prompt is in the cache; its last token decodes
+    samples, top = [], 0
+    for step in range(max(max_tokens)):
+        alive = [(s, m) for s, m in zip(seqs, max_tokens) if m > step and s.block_table]
+        if step % ROUND_STEPS == 0:
+            for seq, _ in alive:
+                assert bm.allocate_slots(seq, ROUND_STEPS)
+            top = max(top, max(b for s, _ in alive for b in s.block_table) + 1)
+        if step % every == 0:
+            samples.append((every, [list(s.block_table) for s, _ in alive],
+                            [s.num_computed_tokens + 1 for s, _ in alive]))
+        for seq, m in alive:
+            seq.num_computed_tokens += 1
+            if step + 1 == m:
+                bm.free(seq)
+    return samples, top
+
+
+def kv_caches(num_blocks: int, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = []
+    for _ in range(NUM_LAYERS):
+        pair = []
+        for _ in range(2):
+            if layout == "heads_major":
+                t = torch.empty(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16,
+                                device="cuda").permute(0, 2, 1, 3)
+            else:
+                t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+            pair.append(t)
+        caches.append(tuple(pair))
+    return caches
+
+
+def time_step(tables: list[list[int]], ctx: list[int], caches) -> float:
+    """Seconds for the attention of every layer of one decode step (CUDA-graph replay)."""
+    n = len(ctx)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(n, width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    bt, seq_lens = bt.cuda(), torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    cu = torch.arange(n + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        for k_cache, v_cache in caches:
+            ta.paged_attention(q, k_cache, v_cache, cu, seq_lens, bt, HEAD_DIM ** -0.5, max_seqlen_q=1,
+                               max_seqlen_k=MAX_MODEL_LEN, out=out)
+    step()
+    return triton.testing.do_bench_cudagraph(step, rep=REP_MS) / 1e3
+
+
+def run_variant(name: str, samples, num_blocks: int, bandwidth: float) -> dict:
+    constants, layout = VARIANTS[name]
+    saved = {k: getattr(ta, k) for k in constants}
+    for k, v in constants.items():
+        setattr(ta, k, v)
+    try:
+        caches = kv_caches(num_blocks, layout)
+        total_s, total_bytes, by_batch = 0.0, 0, {}
+        for weight, tables, ctx in samples:
+            seconds = time_step(tables, ctx, caches)
+            nbytes = sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 * NUM_LAYERS
+            total_s += weight * seconds
+            total_bytes += weight * nbytes
+            bucket = 1 << (len(ctx) - 1).bit_length()
+            acc = by_batch.setdefault(bucket, [0.0, 0])
+            acc[0] += weight * seconds
+            acc[1] += weight * nbytes
+        del caches
+        torch.cuda.empty_cache()
+    finally:
+        for k, v in saved.items():
+            setattr(ta, k, v)
+    return {"variant": name, "attention_s": round(total_s, 3),
+            "fraction_of_copy_bw": round(total_bytes / bandwidth / total_s, 3),
+            "by_batch": {b: [round(s, 3), round(nb / bandwidth / s, 3)] for b, (s, nb) in sorted(by_batch.items())}}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=int, default=32, help="sample every N-th decode step")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks per layer (default: what 85%% of free GPU memory holds, as B1's engine)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    samples, top = b1_steps(args.every)
+    bandwidth = copy_bandwidth()
+    free, _ = torch.cuda.mem_get_info()
+    per_block = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+    num_blocks = args.num_blocks or int(free * 0.85 // per_block)
+    assert num_blocks >= top, f"the cache must hold the {top} blocks B1's tables reach"
+    print(f"{len(samples)} sampled steps; tables reach block {top}; cache {num_blocks} blocks/layer; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({time.perf_counter() - t0:.0f} s to set up)")
+    for name in args.variants.split(","):
+        result = run_variant(name, samples, num_blocks, bandwidth)
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
