@@ -3,7 +3,7 @@
 B1 (bench_offline.py) spends about three quarters of its GPU time in decode attention.
 This script rebuilds the decode batches B1 runs (which sequences are alive at each step,
 their context lengths, and block tables allocated by the engine's own BlockManager the
-way the engine allocates them: each prompt at once, then 16 steps' slots per round), on
+way the engine allocates them: each prompt at once, then a round's slots per round), on
 a KV cache as large as B1's (28 layers, most of the GPU), and times the attention of all
 layers of sampled steps as CUDA graphs (captured with max_seqlen_k = max_model_len, as
 the engine captures). Each sampled step stands for the steps around it; the weighted sum
@@ -24,12 +24,13 @@ import torch
 import triton.testing
 
 from bench_offline import copy_bandwidth, workload
+from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import triton_attn as ta
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 16, 8, 128  # Qwen3-0.6B
-BLOCK_SIZE, MAX_MODEL_LEN, ROUND_STEPS = 16, 4096, 16
+BLOCK_SIZE, MAX_MODEL_LEN, ROUND_STEPS = 16, 4096, DEFAULT_GPU_SCHEDULER_STEPS
 REP_MS = 40
 
 # name -> (module constants of triton_attn to set, cache layout)

@@ -121,7 +121,10 @@ def bench_product(m: int, k: int, n: int, bandwidth: float, rate: float) -> dict
     for bm, bn, bk, warps, stages in CONFIGS:
         if bm > max(16, triton.next_power_of_2(m)):
             continue
-        triton_linear(x, w, out, bm, bn, bk, warps, stages)
+        try:
+            triton_linear(x, w, out, bm, bn, bk, warps, stages)
+        except triton.runtime.errors.OutOfResources:
+            continue  # tiles too large for shared memory
         assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), (bm, bn, bk)
         s = triton.testing.do_bench_cudagraph(
             lambda: triton_linear(x, w, out, bm, bn, bk, warps, stages), rep=REP_MS) / 1e3

@@ -14,12 +14,13 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # at most 15 slots, and our attention kernels gather keys by slot, so the block size
 # does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
 DEFAULT_BLOCK_SIZE = 16
-# Sixteen decode steps per scheduling round on a GPU. B1 on the H200 (benchmarks/RESULTS.md)
-# measured 20.4-20.7k tok/s at 8, 21.7k at 16, 22.4k at 32: the host's work at each round
-# boundary (postprocess the last step, schedule, build the inputs) leaves the GPU idle.
-# The cost of more: new requests join and streams get their tokens at round boundaries
-# (16 steps: ~90 ms at B1's batch), and a request that stops early wastes the rest.
-DEFAULT_GPU_SCHEDULER_STEPS = 16
+# Eight decode steps per scheduling round on a GPU. With async scheduling (the next round
+# launched before the host has seen the last step of the current one) B1 on the H200 ran
+# 23.4k tok/s at 4, 23.5-23.7k at 8 and 23.6-23.7k at 16 steps on one machine
+# (benchmarks/RESULTS.md "B1"): past 8 the throughput is flat, while newcomers wait for a
+# round boundary and streams get their tokens a round at a time (8 steps: ~45 ms at B1's
+# batch). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
+DEFAULT_GPU_SCHEDULER_STEPS = 8
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import pytest
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.step_inputs import build_step_inputs
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -387,5 +388,23 @@ def test_extend_decode_allocates_every_step_and_respects_max_model_len(make_sche
     sched.add(seq_of([1, 2]))
     assert sched.extend_decode([a, b], 8, max_model_len=64) == 1    # someone waits: plain steps
     sched.finish(sched.waiting[0], "abort")
+    for s in (a, b):
+        sched.finish(s, "abort")
+
+
+def test_extend_decode_after_pending_tokens(make_sched):
+    """A round chained onto a running one starts one token later (async scheduling)."""
+    sched = make_sched(num_blocks=8)
+    a, b = decoding_pair(sched, FakeModel())  # 7 tokens, token 6 not computed yet
+    # pending token 7 (position 7), then steps at positions 7..9: max_model_len 10 allows 3
+    assert sched.extend_decode([a, b], 8, max_model_len=10, num_pending=1) == 3
+    assert [len(a.block_table), len(b.block_table)] == [3, 3]  # 6 computed + 1 pending + 3 steps
+    for s in (a, b):
+        s.num_scheduled_tokens = 1
+    inputs = build_step_inputs([a, b], BLOCK_SIZE, num_pending=1)
+    assert inputs.positions.tolist() == [7, 7] and inputs.seq_lens_k.tolist() == [8, 8]
+    assert inputs.input_ids.tolist() == [0, 0]  # filled in on the device
+    assert inputs.slot_mapping.tolist() == [a.block_table[1] * BLOCK_SIZE + 3, b.block_table[1] * BLOCK_SIZE + 3]
+    assert inputs.sampling == [0, 1]
     for s in (a, b):
         sched.finish(s, "abort")
