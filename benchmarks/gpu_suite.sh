@@ -27,6 +27,7 @@ step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_trito
     tests/test_multi_step.py
 step bench_offline "$PYTHON" benchmarks/bench_offline.py
 step bench_offline_1step "$PYTHON" benchmarks/bench_offline.py --num-scheduler-steps 1
+step bench_b1_attention "$PYTHON" benchmarks/bench_b1_attention.py --variants base
 if [[ $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())') -ge 2 ]]; then
     step test_tp_gpu "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_tp_gpu.py
     step bench_offline_tp2 "$PYTHON" benchmarks/bench_offline.py --tensor-parallel-size 2

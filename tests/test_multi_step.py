@@ -122,3 +122,17 @@ def test_async_scheduling_settings_are_checked(tiny_model):
         LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=16, num_scheduler_steps=1, async_scheduling=True)
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         LLM(path, skip_tokenizer_init=True, async_scheduling="yes")
+
+
+def test_round_left_in_flight_is_drained_before_new_work(engines):
+    """Every request ends while a chained round is in flight: the next step drains it first."""
+    engine = engines["async"].llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    gone = engine.add_request(None, PROMPTS[3], greedy)
+    while engine._next_round is None:
+        engine.step()
+    engine.abort(gone)
+    assert not engine.has_unfinished_requests() and engine._next_round is not None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    out = _run(engines["async"], greedy, prompts=PROMPTS[:2])
+    assert [o.token_ids for o in out] == [hf_greedy(engines["hf"], p, 40) for p in PROMPTS[:2]]
