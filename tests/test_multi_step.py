@@ -8,10 +8,12 @@ with plain rounds and with async scheduling (Config.async_scheduling: each round
 launched before the host has seen the last step of the one before), which must
 give the same results and still admit newcomers and aborts between rounds.
 """
+import random
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tiny_models import hf_greedy, random_prompts
+from tiny_models import TINY, hf_greedy, random_prompts
 
 STEPS = 4
 PROMPTS = random_prompts([5, 17, 33, 9], seed=3)
@@ -136,3 +138,53 @@ def test_round_left_in_flight_is_drained_before_new_work(engines):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     out = _run(engines["async"], greedy, prompts=PROMPTS[:2])
     assert [o.token_ids for o in out] == [hf_greedy(engines["hf"], p, 40) for p in PROMPTS[:2]]
+
+
+def _random_requests(rng: random.Random, count: int) -> list[tuple[list[int], SamplingParams]]:
+    """Greedy and seeded requests of every shape: stops on EOS or a stop id, n = 2, short max_tokens."""
+    prompts = random_prompts([rng.randint(2, 40) for _ in range(count)], seed=rng.randrange(1000))
+    requests = []
+    for prompt in prompts:
+        params = SamplingParams(temperature=rng.choice([0.0, 0.9, 1.3]), seed=rng.randrange(10_000),
+                                max_tokens=rng.randint(1, 30), n=rng.choice([1, 1, 2]), logprobs=rng.choice([None, 1]),
+                                stop_token_ids=rng.sample(range(3, TINY["vocab_size"]), rng.randint(0, 3)))
+        requests.append((prompt, params))
+    return requests
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, seed):
+    """Requests arrive one or two per engine step and some are aborted on the way; every
+    request that is not aborted gets exactly the tokens (and logprobs) the single-step engine gives."""
+    rng = random.Random(seed)
+    requests = _random_requests(rng, 16)
+    expected = engines["single"].generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+    engine = engines["async"].llm_engine
+    got, aborted, pending, ahead = {}, set(), list(enumerate(requests)), 0
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i, (prompt, params) = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
+        if got and rng.random() < 0.05:
+            victim = rng.choice(sorted(got))
+            engine.abort(victim)
+            aborted.add(victim)
+        for out in engine.step():
+            for sample in out.outputs:
+                tokens, logprobs = got.setdefault(out.request_id, {}).setdefault(sample.index, ([], []))
+                tokens += sample.token_ids
+                logprobs += sample.logprobs or []
+        ahead += engine._next_round is not None
+    assert ahead > 0, "no round was launched ahead of the host"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    checked = 0
+    for i, want in enumerate(expected):
+        if str(i) in aborted:
+            continue
+        for sample in want.outputs:
+            tokens, logprobs = got[str(i)][sample.index]
+            assert tokens == sample.token_ids, f"request {i} sample {sample.index}"
+            assert [next(iter(d)) for d in logprobs] == [next(iter(d)) for d in sample.logprobs or []]
+            checked += 1
+    assert checked >= len(requests) // 2  # most requests ran to their end
