@@ -19,7 +19,9 @@ DEFAULT_BLOCK_SIZE = 16
 # 23.4k tok/s at 4, 23.5-23.7k at 8 and 23.6-23.7k at 16 steps on one machine
 # (benchmarks/RESULTS.md "B1"): past 8 the throughput is flat, while newcomers wait for a
 # round boundary and streams get their tokens a round at a time (8 steps: ~45 ms at B1's
-# batch). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
+# batch; a request added between `LLMEngine.step` calls may wait one round more, as the
+# next round is already launched; AsyncLLM holds chaining back while it has requests
+# queued). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
 DEFAULT_GPU_SCHEDULER_STEPS = 8
 
 

@@ -20,6 +20,7 @@ PROMPTS = random_prompts([5, 17, 33, 9], seed=3)
 
 
 MODES = ("rounds", "async")
+MAX_STEPS_TO_CHAIN = 10  # engine steps within which a 40-token request gets a chained round
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,9 @@ def test_greedy_matches_hf_with_rounds_ending_mid_round(engines, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_seeded_sampling_and_logprobs_equal_single_steps(engines, mode):
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True, logprobs=2)
+@pytest.mark.parametrize("top_p", [0.9, 1.0])  # on a GPU, 1.0 takes the fused sampling kernel
+def test_seeded_sampling_and_logprobs_equal_single_steps(engines, mode, top_p):
+    params = [SamplingParams(temperature=0.8, top_p=top_p, seed=100 + i, max_tokens=20, ignore_eos=True, logprobs=2)
               for i in range(len(PROMPTS))]
     for a, b in zip(_run(engines["single"], params), _run(engines[mode], params)):
         assert a.token_ids == b.token_ids
@@ -61,12 +63,60 @@ def test_seeded_sampling_and_logprobs_equal_single_steps(engines, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_eos_stops_inside_a_round(engines, mode):
-    params = SamplingParams(temperature=0.9, seed=7, max_tokens=60)  # eos ids 1, 2 are in the vocabulary
+    params = SamplingParams(temperature=0.9, seed=0, max_tokens=60)  # eos ids 1, 2 are in the vocabulary
     plain, rounds = _run(engines["single"], params), _run(engines[mode], params)
     assert [o.token_ids for o in rounds] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in rounds] == [o.finish_reason for o in plain]
     stopped = [o for o in rounds if o.finish_reason == "stop"]
-    assert all(o.token_ids[-1] in (1, 2) for o in stopped)
+    assert stopped and all(o.token_ids[-1] in (1, 2) for o in stopped)
+
+
+def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(engines):
+    """The stop token comes with a round's outstanding last step, after the next round was
+    launched with that sequence in it: its rows there are computed and dropped."""
+    hf = engines["hf"]
+    stopper = hf_greedy(hf, PROMPTS[0], 20)
+    # token 0 comes from the prefill step, tokens 1..STEPS from the first round, whose
+    # last one is outstanding when the second round is launched
+    stop_id = stopper[STEPS]
+    assert stop_id not in stopper[:STEPS], "the tiny model repeats itself: pick another prompt"
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, n=2)]
+    engine = engines["async"].llm_engine
+    launch, chained = engine.model_runner.launch_decode_round, []
+
+    def recording_launch(seqs, num_steps, after=None):
+        if after is not None:
+            chained.append(list(seqs))
+        return launch(seqs, num_steps, after=after)
+    engine.model_runner.launch_decode_round = recording_launch
+    try:
+        outs = engines["async"].generate(PROMPTS[:3], params, use_tqdm=False)
+    finally:
+        engine.model_runner.launch_decode_round = launch
+    assert outs[0].outputs[0].token_ids == stopper[:STEPS + 1]
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == stop_id
+    assert any(seq.finish_reason == "stop" for seqs in chained for seq in seqs), "no chained round carried it"
+    single = engines["single"].generate(PROMPTS[:3], params, use_tqdm=False)
+    for a, b in zip(single, outs):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_no_round_is_chained_while_requests_are_arriving(engines):
+    """AsyncLLM's hook: with commands queued, the next round waits for the scheduler."""
+    engine = engines["async"].llm_engine
+    launch, chained = engine.model_runner.launch_decode_round, []
+    engine.model_runner.launch_decode_round = lambda seqs, n, after=None: (
+        chained.append(after) or launch(seqs, n, after=after))
+    engine.requests_arriving = lambda: True
+    try:
+        _run(engines["async"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    finally:
+        engine.model_runner.launch_decode_round = launch
+        engine.requests_arriving = lambda: False
+    assert chained and all(after is None for after in chained)
 
 
 def test_async_rounds_are_launched_ahead_of_the_host(engines):
@@ -101,9 +151,12 @@ def test_newcomer_and_abort_while_a_round_is_in_flight(engines):
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     first, doomed = engine.add_request(None, PROMPTS[0], greedy), engine.add_request(None, PROMPTS[1], greedy)
     outputs = {first: [], doomed: []}
-    while engine._next_round is None:  # run until a round was launched ahead of the host
+    for _ in range(MAX_STEPS_TO_CHAIN):  # run until a round was launched ahead of the host
         for out in engine.step():
             outputs[out.request_id] += out.outputs[0].token_ids
+        if engine._next_round is not None:
+            break
+    assert engine._next_round is not None, "no round was chained"
     late = engine.add_request(None, PROMPTS[2], greedy)  # waits for the chained round
     engine.abort(doomed)  # its rows in the chained round are dropped
     outputs[late] = []
@@ -126,13 +179,15 @@ def test_async_scheduling_settings_are_checked(tiny_model):
         LLM(path, skip_tokenizer_init=True, async_scheduling="yes")
 
 
-def test_round_left_in_flight_is_drained_before_new_work(engines):
-    """Every request ends while a chained round is in flight: the next step drains it first."""
+def test_round_left_in_flight_is_dropped_before_new_work(engines):
+    """Every request ends while a chained round is in flight: the next step drops it."""
     engine = engines["async"].llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     gone = engine.add_request(None, PROMPTS[3], greedy)
-    while engine._next_round is None:
+    for _ in range(MAX_STEPS_TO_CHAIN):
         engine.step()
+        if engine._next_round is not None:
+            break
     engine.abort(gone)
     assert not engine.has_unfinished_requests() and engine._next_round is not None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -166,8 +221,9 @@ def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, s
             if pending:
                 i, (prompt, params) = pending.pop(0)
                 engine.add_request(str(i), prompt, params)
-        if got and rng.random() < 0.05:
-            victim = rng.choice(sorted(got))
+        running = sorted(set(got) & set(engine.output_processor.requests))
+        if running and rng.random() < 0.05:
+            victim = rng.choice(running)
             engine.abort(victim)
             aborted.add(victim)
         for out in engine.step():

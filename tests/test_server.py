@@ -533,6 +533,19 @@ def test_chat_template_file_renders_sandboxed(async_llm, tmp_path):
     asyncio.run(go())
 
 
+def test_queued_commands_hold_back_chained_rounds(async_llm):
+    """The engine sees AsyncLLM's queued commands (async scheduling chains no round past them)."""
+    second_queued = threading.Event()
+
+    def probe(engine):
+        second_queued.wait(timeout=30)
+        return engine.requests_arriving()
+    first = async_llm.run_in_engine(probe)
+    second = async_llm.run_in_engine(lambda engine: engine.requests_arriving())
+    second_queued.set()
+    assert first.result(timeout=30) is True and second.result(timeout=30) is False
+
+
 def test_engine_fault_fails_requests_and_health(model_dir):
     """An exception inside the forward pass fails in-flight requests cleanly and /health says so."""
     from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError

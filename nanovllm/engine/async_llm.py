@@ -133,6 +133,8 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}      # event-loop side
         self._live_ids: set[str] = set()                  # engine-thread side
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # requests and aborts queued here join at the next round boundary, not one round later
+        engine.requests_arriving = lambda: not self._commands.empty()
         self._throughput = ThroughputLog(log_stats_interval)
         self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)
         self._thread.start()

@@ -6,6 +6,7 @@ drops a request and frees its blocks at once. `LLM` (llm.py) drives `step` for
 scripts: streamed, or with the deltas folded into final outputs.
 """
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
 
@@ -35,6 +36,9 @@ class LLMEngine:
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
         self._next_round: DecodeRound | None = None  # launched ahead of the host (async scheduling)
+        # A caller that queues requests outside the engine (AsyncLLM) sets this: while it
+        # returns True no round is chained, so newcomers join at the next round boundary.
+        self.requests_arriving: Callable[[], bool] = lambda: False
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -70,8 +74,9 @@ class LLMEngine:
         gains nothing there and wastes the rows of sequences that stop."""
         wanted = self.config.async_scheduling
         if wanted and self.num_scheduler_steps == 1:
+            how = "given" if self.config.num_scheduler_steps else "the default on this device and tensor_parallel_size"
             raise ValueError("async_scheduling chains multi-step decode rounds: it needs "
-                             f"num_scheduler_steps > 1, got {self.num_scheduler_steps}")
+                             f"num_scheduler_steps > 1, got 1 ({how})")
         if wanted is None:
             return self.num_scheduler_steps > 1 and resolve_device(self.config.device).type == "cuda"
         return wanted
@@ -200,9 +205,11 @@ class LLMEngine:
         on the last output of a request.
         """
         start = time.perf_counter()
-        if self._next_round is not None:  # launched by the previous step (async scheduling)
-            decode_round, self._next_round = self._next_round, None
+        decode_round, self._next_round = self._next_round, None  # launched by the previous step
+        if decode_round is not None and any(not seq.is_finished for seq in decode_round.seqs):
             return self._finish_round(decode_round, start)
+        # a round whose sequences all ended is dropped unread: what it writes lands on
+        # the device before anything launched later, and its pinned copies keep their memory
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
@@ -226,13 +233,15 @@ class LLMEngine:
         """
         seqs = decode_round.seqs
         live = [seq for seq in seqs if not seq.is_finished]
+        num_tokens = sum(seq.num_tokens for seq in live)
         for i, output in enumerate(decode_round.outputs()):
             for seq in seqs:
                 seq.num_scheduled_tokens = 1  # postprocess consumes one token a step
             self._postprocess(seqs, output)
             if i == decode_round.num_steps - 2 and self.async_scheduling:
                 self._next_round = self._chain(decode_round)
-        self.last_step_stats = (0, len(live) * decode_round.num_steps, time.perf_counter() - start)
+        num_new = sum(seq.num_tokens for seq in live) - num_tokens  # dropped rows not counted
+        self.last_step_stats = (0, num_new, time.perf_counter() - start)
         return self.output_processor.make_outputs(live)
 
     def _chain(self, decode_round: DecodeRound) -> DecodeRound | None:
@@ -240,7 +249,8 @@ class LLMEngine:
         None when the next round needs the scheduler (newcomers waiting, a running sequence
         outside this round, too few free blocks, sampling that depends on the new tokens)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
-        if self.scheduler.waiting or any(s.seq_id not in in_round for s in self.scheduler.running):
+        if (self.scheduler.waiting or self.requests_arriving()
+                or any(s.seq_id not in in_round for s in self.scheduler.running)):
             return None
         # sequences that the outstanding token ends for sure are left out; a stop token or
         # string ends others only once seen, and their rows in the next round are dropped
