@@ -71,7 +71,19 @@ def test_eos_stops_inside_a_round(engines, mode):
     assert stopped and all(o.token_ids[-1] in (1, 2) for o in stopped)
 
 
-def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(engines):
+def _record_launches(monkeypatch, engine) -> list[tuple[list, object]]:
+    """Every round `engine` launches from now to the test's end, as (its sequences, the round
+    it was chained after or None)."""
+    launch, launches = engine.model_runner.launch_decode_round, []
+
+    def recording_launch(seqs, num_steps, after=None):
+        launches.append((list(seqs), after))
+        return launch(seqs, num_steps, after=after)
+    monkeypatch.setattr(engine.model_runner, "launch_decode_round", recording_launch)
+    return launches
+
+
+def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(engines, monkeypatch):
     """The stop token comes with a round's outstanding last step, after the next round was
     launched with that sequence in it: its rows there are computed and dropped."""
     hf = engines["hf"]
@@ -84,66 +96,42 @@ def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(en
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, n=2)]
     engine = engines["async"].llm_engine
-    launch, chained = engine.model_runner.launch_decode_round, []
-
-    def recording_launch(seqs, num_steps, after=None):
-        if after is not None:
-            chained.append(list(seqs))
-        return launch(seqs, num_steps, after=after)
-    engine.model_runner.launch_decode_round = recording_launch
-    try:
-        outs = engines["async"].generate(PROMPTS[:3], params, use_tqdm=False)
-    finally:
-        engine.model_runner.launch_decode_round = launch
+    launches = _record_launches(monkeypatch, engine)
+    outs = engines["async"].generate(PROMPTS[:3], params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == stopper[:STEPS + 1]
     assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == stop_id
-    assert any(seq.finish_reason == "stop" for seqs in chained for seq in seqs), "no chained round carried it"
+    assert any(seq.finish_reason == "stop" for seqs, after in launches if after is not None for seq in seqs), \
+        "no chained round carried it"
     single = engines["single"].generate(PROMPTS[:3], params, use_tqdm=False)
     for a, b in zip(single, outs):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_no_round_is_chained_while_requests_are_arriving(engines):
+def test_no_round_is_chained_while_requests_are_arriving(engines, monkeypatch):
     """AsyncLLM's hook: with commands queued, the next round waits for the scheduler."""
     engine = engines["async"].llm_engine
-    launch, chained = engine.model_runner.launch_decode_round, []
-    engine.model_runner.launch_decode_round = lambda seqs, n, after=None: (
-        chained.append(after) or launch(seqs, n, after=after))
-    engine.requests_arriving = lambda: True
-    try:
-        _run(engines["async"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    finally:
-        engine.model_runner.launch_decode_round = launch
-        engine.requests_arriving = lambda: False
-    assert chained and all(after is None for after in chained)
+    launches = _record_launches(monkeypatch, engine)
+    monkeypatch.setattr(engine, "requests_arriving", lambda: True)
+    _run(engines["async"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert launches and all(after is None for _, after in launches)
 
 
-def test_async_rounds_are_launched_ahead_of_the_host(engines):
+def test_async_rounds_are_launched_ahead_of_the_host(engines, monkeypatch):
     """The chained launches happen (and replace scheduler passes), not just the plain path."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    counts = {}
+    chained, schedules = {}, {}
     for mode in MODES:
         engine = engines[mode].llm_engine
-        schedule, launch = engine.scheduler.schedule, engine.model_runner.launch_decode_round
-        calls = {"schedule": 0, "chained": 0}
-
-        def counted_schedule():
-            calls["schedule"] += 1
-            return schedule()
-
-        def counted_launch(seqs, num_steps, after=None):
-            calls["chained"] += after is not None
-            return launch(seqs, num_steps, after=after)
-        engine.scheduler.schedule, engine.model_runner.launch_decode_round = counted_schedule, counted_launch
-        try:
-            _run(engines[mode], params)
-        finally:
-            engine.scheduler.schedule, engine.model_runner.launch_decode_round = schedule, launch
-        counts[mode] = calls
-    assert counts["rounds"]["chained"] == 0
-    assert counts["async"]["chained"] >= 5  # 30 tokens in rounds of 4: most rounds chain
-    assert counts["async"]["schedule"] < counts["rounds"]["schedule"]
+        launches, calls = _record_launches(monkeypatch, engine), []
+        schedule = engine.scheduler.schedule
+        monkeypatch.setattr(engine.scheduler, "schedule", lambda schedule=schedule: calls.append(1) or schedule())
+        _run(engines[mode], params)
+        chained[mode] = sum(after is not None for _, after in launches)
+        schedules[mode] = len(calls)
+    assert chained["rounds"] == 0
+    assert chained["async"] >= 5  # 30 tokens in rounds of 4: most rounds chain
+    assert schedules["async"] < schedules["rounds"]
 
 
 def test_newcomer_and_abort_while_a_round_is_in_flight(engines):

@@ -48,13 +48,10 @@ def build_step_inputs(seqs: list[Sequence], block_size: int, num_pending: int = 
     q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, len(seqs))
     ends = starts + q_lens
     tables = block_tables(seqs)
-    if num_pending:
-        assert q_lens.max() == 1, "only decode steps run ahead of the host"
-        input_ids = np.zeros(len(seqs), np.int64)
-        positions = starts
-        rows = np.arange(len(seqs))
-    elif q_lens.max() == 1:
-        input_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, len(seqs))
+    assert not num_pending or q_lens.max() == 1, "only decode steps run ahead of the host"
+    if q_lens.max() == 1:
+        input_ids = (np.zeros(len(seqs), np.int64) if num_pending else
+                     np.fromiter((s.token_ids[s.num_computed_tokens] for s in seqs), np.int64, len(seqs)))
         positions = starts
         rows = np.arange(len(seqs))
     else:
