@@ -9,10 +9,10 @@ layers of sampled steps as CUDA graphs (captured with max_seqlen_k = max_model_l
 the engine captures). Each sampled step stands for the steps around it; the weighted sum
 predicts B1's attention time, to set against the K/V bytes at copy bandwidth.
 
-Variants (`--variants`) change the decode tiles, the split-KV policy or the cache layout
+Variants (`--variants`) change the decode tiles, the split-KV policy, the cache layout
 (`heads_major`: [blocks, kv_heads, block_size, head_dim] in memory, so one block of one
 head is 4 KiB contiguous; the kernels take strides, so the same code reads it through a
-permuted view).
+permuted view) or the order of the batch (`lpt*`: longest contexts first).
 
     python benchmarks/bench_b1_attention.py [--every 32] [--variants base,n64s4,...]
 """
@@ -47,6 +47,8 @@ VARIANTS = {
     "split16": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
     "split16_hm": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "heads_major"),
     "n64s4_hm": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "heads_major"),
+    "lpt": ({}, "tokens_major", "longest_first"),
+    "lpt_split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major", "longest_first"),
 }
 
 
@@ -114,7 +116,7 @@ def time_step(tables: list[list[int]], ctx: list[int], caches) -> float:
 
 
 def run_variant(name: str, samples, num_blocks: int, bandwidth: float) -> dict:
-    constants, layout = VARIANTS[name]
+    constants, layout, *order = VARIANTS[name]
     saved = {k: getattr(ta, k) for k in constants}
     for k, v in constants.items():
         setattr(ta, k, v)
@@ -122,6 +124,9 @@ def run_variant(name: str, samples, num_blocks: int, bandwidth: float) -> dict:
         caches = kv_caches(num_blocks, layout)
         total_s, total_bytes, by_batch = 0.0, 0, {}
         for weight, tables, ctx in samples:
+            if order:  # the batch's sequences longest first
+                rows = sorted(range(len(ctx)), key=lambda i: -ctx[i])
+                tables, ctx = [tables[i] for i in rows], [ctx[i] for i in rows]
             seconds = time_step(tables, ctx, caches)
             nbytes = sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 * NUM_LAYERS
             total_s += weight * seconds

@@ -9,6 +9,7 @@ a small sweep of tiles, to see what a hand kernel could gain.
 
     python benchmarks/bench_decode_gemm.py [--batches 32,96,256]
     python benchmarks/bench_decode_gemm.py --b1   # B1 with decode products on an autotuned Triton kernel
+    python benchmarks/bench_decode_gemm.py --splitk --batches 8,32,96   # split-K kernel vs cuBLAS
 """
 import argparse
 import json
@@ -135,12 +136,86 @@ def bench_product(m: int, k: int, n: int, bandwidth: float, rate: float) -> dict
             "triton_config": best[1], "floor_us": round(floor_s * 1e6, 2)}
 
 
+SPLITK_CONFIGS = [(n, k, s, st) for n in (32, 64, 128) for k in (64, 128, 256) for s in (1, 2, 4, 8)
+                  for st in (3,)]
+
+
+def splitk_block_ms(m: int) -> list[int]:
+    small = max(16, triton.next_power_of_2(m))
+    return sorted({min(small, 64), min(small, 128)})
+
+
+def bench_splitk(m: int, k: int, n: int) -> dict:
+    """The split-K kernel (splitk_linear.py) over SPLITK_CONFIGS, against cuBLAS."""
+    from splitk_linear import splitk_linear
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    ref = torch.nn.functional.linear(x, w).float()
+    cublas_s = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w), rep=REP_MS) / 1e3
+    results = []
+    for bm in splitk_block_ms(m):
+        for bn, bk, split, stages in SPLITK_CONFIGS:
+            if k % (bk * split):
+                continue
+            cfg = (bm, bn, bk, split, stages)
+            try:
+                out = splitk_linear(x, w, bm, bn, bk, split, num_stages=stages)
+            except triton.runtime.errors.OutOfResources:
+                continue
+            assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2), cfg
+            assert torch.equal(out, splitk_linear(x, w, bm, bn, bk, split, num_stages=stages)), cfg
+            t = triton.testing.do_bench_cudagraph(
+                lambda: splitk_linear(x, w, bm, bn, bk, split, num_stages=stages), rep=REP_MS) / 1e3
+            results.append((t, cfg))
+    results.sort()
+    return {"cublas_us": round(cublas_s * 1e6, 2), "splitk_us": round(results[0][0] * 1e6, 2),
+            "best": [(round(t * 1e6, 2), c) for t, c in results[:4]]}
+
+
+def bench_chain(m: int, configs: dict) -> dict:
+    """28 layers' four products back to back (distinct, cold weights), cuBLAS vs split-K."""
+    from splitk_linear import splitk_linear
+    names = [p for p in PRODUCTS if p != "lm_head"]
+    layers = [{p: torch.randn(PRODUCTS[p][1], PRODUCTS[p][0], dtype=torch.bfloat16, device="cuda") * 0.02
+               for p in names} for _ in range(LAYERS)]
+    xs = {p: torch.randn(m, PRODUCTS[p][0], dtype=torch.bfloat16, device="cuda") for p in names}
+
+    def cublas():
+        for lw in layers:
+            for p in names:
+                torch.nn.functional.linear(xs[p], lw[p])
+
+    def splitk():
+        for lw in layers:
+            for p in names:
+                bm, bn, bk, split, stages = configs[p]
+                splitk_linear(xs[p], lw[p], bm, bn, bk, split, num_stages=stages)
+    return {f: round(triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3 / LAYERS, 2)
+            for f, fn in (("cublas_us_per_layer", cublas), ("splitk_us_per_layer", splitk))}
+
+
+def main_splitk(batches: list[int]) -> None:
+    for m in batches:
+        configs = {}
+        for name, (k, n, _) in PRODUCTS.items():
+            if name == "lm_head":  # one large product: cuBLAS reaches its floor
+                continue
+            r = bench_splitk(m, k, n)
+            configs[name] = r["best"][0][1]
+            print(json.dumps({"batch": m, "product": name, **r}), flush=True)
+        print(json.dumps({"batch": m, "chain": bench_chain(m, configs)}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="32,96,256", help="decode batch sizes (graph sizes)")
     ap.add_argument("--b1", action="store_true",
                     help="instead: run B1 with decode products on the autotuned Triton kernel")
+    ap.add_argument("--splitk", action="store_true",
+                    help="instead: the split-K kernel (splitk_linear.py) against cuBLAS")
     args, rest = ap.parse_known_args()
+    if args.splitk:
+        return main_splitk([int(b) for b in args.batches.split(",")])
     if args.b1:
         return run_b1_with_triton_linear(rest)
     bandwidth, rate = copy_bandwidth(), matmul_rate()

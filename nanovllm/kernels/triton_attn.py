@@ -205,11 +205,16 @@ def _unified_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid: (query tiles, sequences, KV heads x splits); query tiles heaviest first."""
+    """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
+
+    Programs start in grid order, so all heads and splits of one sequence run side by
+    side: they share its block-table rows, and the cache rows they read lie together
+    (a token's heads are adjacent in the cache). Sequence-major order was 2.7% slower
+    over B1's decode batches (RESULTS.md "B1")."""
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    seq = tl.program_id(2)
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
@@ -370,7 +375,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
-    _unified_attention_kernel[(num_q_blocks, num_seqs, num_kv_heads * num_splits)](
+    _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_cache, v_cache,
         cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
