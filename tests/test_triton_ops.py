@@ -65,6 +65,60 @@ def test_norm_rope_on_strided_views(dtype, with_norm):
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
 
 
+def _qkv_views(tokens, heads, kv_heads, d, dtype, device):
+    """q, k, v as strided views of one packed qkv projection, as the decoder makes them."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+
+
+def _poisoned_cache(num_blocks, block_size, kv_heads, d, dtype, device):
+    return torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=device)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_stores_kv(dtype, with_norm):
+    """With a KVStore the kernel writes the rotated keys and the values into their slots
+    (slot -1: nothing), as rope followed by the reference store_kvcache does."""
+    from nanovllm.kernels import torch_ref, triton_ops
+    tokens, heads, kv_heads, d, max_pos, blocks, block_size = 6, 4, 2, 32, 64, 5, 4
+    q, k, v = _qkv_views(tokens, heads, kv_heads, d, dtype, DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    cos_sin = torch.randn(max_pos, d, device=DEVICE)
+    qw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
+    kw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
+    slots = torch.tensor([3, 17, -1, 0, 19, 8], device=DEVICE)  # across blocks; one token writes nothing
+    ref_q, ref_k = fused_ops.norm_rope(q.clone(), k.clone(), positions, cos_sin, qw, kw)
+    ref_caches = [_poisoned_cache(blocks, block_size, kv_heads, d, dtype, DEVICE) for _ in range(2)]
+    torch_ref.store_kvcache(ref_k, v, *ref_caches, slots)
+    caches = [_poisoned_cache(blocks, block_size, kv_heads, d, dtype, DEVICE) for _ in range(2)]
+    triton_ops.qk_norm_rope_(q, k, positions, cos_sin, qw, kw, 1e-6, fused_ops.KVStore(v, *caches, slots))
+    _close(q, ref_q, dtype)
+    _close(k, ref_k, dtype)
+    for cache, ref in zip(caches, ref_caches):
+        assert torch.equal(cache.isnan(), ref.isnan())  # the same slots written, the rest untouched
+        _close(cache.nan_to_num(), ref.nan_to_num(), dtype)
+
+
+def test_norm_rope_torch_path_stores_kv():
+    """The torch path (CPU, or head sizes the kernel does not take) honours a KVStore too."""
+    from nanovllm.kernels import torch_ref
+    tokens, heads, kv_heads, d, max_pos = 3, 4, 2, 24, 16  # head size 24: not a power of two
+    q, k, v = _qkv_views(tokens, heads, kv_heads, d, torch.float32, "cpu")
+    positions, cos_sin = torch.tensor([0, 5, 9]), torch.randn(max_pos, d)
+    slots = torch.tensor([2, -1, 6])
+    ref_q, ref_k = fused_ops.norm_rope(q.clone(), k.clone(), positions, cos_sin)
+    ref_caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, "cpu") for _ in range(2)]
+    torch_ref.store_kvcache(ref_k, v, *ref_caches, slots)
+    caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, "cpu") for _ in range(2)]
+    out_q, out_k = fused_ops.norm_rope(q, k, positions, cos_sin, kv_store=fused_ops.KVStore(v, *caches, slots))
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    for cache, ref in zip(caches, ref_caches):
+        assert torch.equal(cache.nan_to_num(), ref.nan_to_num()) and torch.equal(cache.isnan(), ref.isnan())
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):

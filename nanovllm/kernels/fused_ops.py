@@ -1,11 +1,24 @@
-"""Small fused ops the layers call: RMSNorm (+ residual), q/k norm + RoPE, SiLU-and-mul.
+"""Small fused ops the layers call: RMSNorm (+ residual), q/k norm + RoPE (+ storing K/V),
+SiLU-and-mul.
 
 On CUDA tensors they run the Triton kernels of `triton_ops.py`; elsewhere the plain
 torch versions below, which follow HF transformers' arithmetic (float32 inside,
 rounded back to the input dtype).
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from nanovllm.kernels import torch_ref
+
+
+class KVStore(NamedTuple):
+    """Where RoPE writes this step's keys (rotated) and values: one layer's paged cache."""
+    value: torch.Tensor         # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens]; slot -1 writes nothing
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -27,8 +40,9 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
               q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-              eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optional per-head RMSNorm of q and k (Qwen3), then RoPE.
+              eps: float = 1e-6, kv_store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm of q and k (Qwen3), then RoPE; with `kv_store`, the
+    rotated keys and the values are also written into the cache.
 
     q: [num_tokens, heads, d]; k: [num_tokens, kv_heads, d]; positions: [num_tokens];
     cos_sin_cache: [max_position, d] float32 (cos | sin halves).
@@ -36,12 +50,15 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
     head_dim = q.shape[-1]
     if q.is_cuda and head_dim & (head_dim - 1) == 0:
         from nanovllm.kernels import triton_ops
-        triton_ops.qk_norm_rope_(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+        triton_ops.qk_norm_rope_(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, kv_store)
         return q, k
     if q_weight is not None:
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    if kv_store is not None:
+        torch_ref.store_kvcache(k, *kv_store)
+    return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Fused small ops for the GPU path, in Triton: RMSNorm (+ residual add),
-q/k RMSNorm + RoPE, and SiLU-and-mul.
+q/k RMSNorm + RoPE (+ the K/V cache write), and SiLU-and-mul.
 
 Unfused, each of these is several elementwise kernels per layer; in a decode step
 that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
@@ -9,6 +9,8 @@ inputs once and writes its outputs once. The math matches the torch versions in
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.fused_ops import KVStore
 
 
 @triton.jit
@@ -44,7 +46,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_heads, eps,
                      HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The heads of one token of q or k, in place: optional per-head RMSNorm, then RoPE."""
+    """The heads of one token of q or k, in place: optional per-head RMSNorm, then RoPE.
+    Returns the rotated halves.  # 2 x [BLOCK_H, HALF]"""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -59,16 +62,23 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
         x1 = w1 * (f1 * inv_rms[:, None]).to(x1.dtype)
         x2 = w2 * (f2 * inv_rms[:, None]).to(x2.dtype)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base + dims, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
-    tl.store(base + HALF + dims, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+    y1 = (f1 * cos - f2 * sin).to(x1.dtype)
+    y2 = (f2 * cos + f1 * sin).to(x1.dtype)
+    tl.store(base + dims, y1, mask=mask)
+    tl.store(base + HALF + dims, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, num_q_heads, num_k_heads, eps,
+                         v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_cb, stride_cr, stride_ch, num_q_heads, num_k_heads, eps,
                          HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-                         BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
-    """One program per token: its q heads, then its k heads (one launch for both)."""
+                         BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                         STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One program per token: its q heads, then its k heads (one launch for both); with
+    STORE_KV, also the token's rotated k and its v into their cache slot (none for slot -1)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
@@ -76,14 +86,28 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
     _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
                      HALF, HAS_NORM, BLOCK_QH)
-    _norm_rope_heads(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
-                     HALF, HAS_NORM, BLOCK_KH)
+    k1, k2 = _norm_rope_heads(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
+                              HALF, HAS_NORM, BLOCK_KH)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            heads = tl.arange(0, BLOCK_KH)[:, None]
+            mask = heads < num_k_heads
+            row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cr + heads * stride_ch
+            tl.store(k_cache_ptr + row + dims, k1, mask=mask)
+            tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
+            v_row = v_ptr + token * stride_vt + heads * stride_vh
+            tl.store(v_cache_ptr + row + dims, tl.load(v_row + dims, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + row + HALF + dims, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                  kv_store: KVStore | None = None) -> None:
     """In place on q: [num_tokens, num_heads, head_dim] and k: [num_tokens, num_kv_heads,
     head_dim] (strided views are fine): per-head RMSNorm when weights are given, then RoPE.
+    With `kv_store`, the rotated keys and the values also go into the
+    cache slots (what the attention backend's store_kvcache would do, one launch fewer).
 
     cos_sin_cache: [max_position, head_dim] float32, cos | sin halves.
     """
@@ -91,11 +115,22 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     assert q.stride(2) == 1 and k.stride(2) == 1 and k.shape[2] == head_dim
     assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim) == head_dim
     assert (q_weight is None) == (k_weight is None)
+    if kv_store is not None:
+        v, k_cache, v_cache = kv_store.value, kv_store.k_cache, kv_store.v_cache
+        assert v.shape == k.shape and v.stride(2) == 1
+        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+        assert k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1
+        slots, page_size = kv_store.slot_mapping, k_cache.shape[1]
+    else:  # unused pointers and strides
+        v, k_cache, v_cache, slots, page_size = k, k, k, positions, 1
     _qk_norm_rope_kernel[(num_tokens,)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
-        cos_sin_cache, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache, positions, v, k_cache, v_cache, slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, k.shape[1], eps, HALF=head_dim // 2, HAS_NORM=q_weight is not None,
-        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]))
+        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        STORE_KV=kv_store is not None, PAGE_SIZE=page_size)
 
 
 @triton.jit

@@ -1,11 +1,13 @@
 """Attention layer: stores this step's K/V in the paged cache, then attends.
 
 The KV cache tensors are attached by `ModelRunner` after it sizes the cache; the
-per-step metadata comes from `utils/context.py`.
+per-step metadata comes from `utils/context.py`. On the GPU the store is left to the
+RoPE kernel, which has the rotated keys at hand (`kv_store`): one launch fewer a layer.
 """
 import torch
 from torch import nn
 
+from nanovllm.kernels.fused_ops import KVStore
 from nanovllm.utils.context import get_context
 
 
@@ -18,10 +20,19 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])  # [num_blocks, block_size, kv_heads, d]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [num_tokens, heads, d]; k, v: [num_tokens, kv_heads, d] -> [num_tokens, heads * d]"""
+    def kv_store(self, v: torch.Tensor) -> KVStore | None:
+        """Where RoPE should write this step's K/V (`v`: [num_tokens, kv_heads, d]): on the GPU,
+        this layer's cache; None elsewhere (`forward` stores them)."""
+        if not v.is_cuda:
+            return None
+        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """q: [num_tokens, heads, d]; k, v: [num_tokens, kv_heads, d] -> [num_tokens, heads * d]
+        `kv_stored`: k and v are already in the cache (written through `kv_store`)."""
         ctx = get_context()
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if not kv_stored:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens_k,
                                          ctx.block_tables, self.scale, max_seqlen_q=ctx.max_seqlen_q,
                                          max_seqlen_k=ctx.max_seqlen_k)

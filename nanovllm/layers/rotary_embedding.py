@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.kernels.fused_ops import norm_rope
+from nanovllm.kernels.fused_ops import KVStore, norm_rope
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -85,11 +85,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_position, head_dim]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
-        """Optional per-head q/k RMSNorm, then rotation.
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+                kv_store: KVStore | None = None):
+        """Optional per-head q/k RMSNorm, then rotation; with `kv_store` (Attention.kv_store),
+        the rotated keys and the values also go into the KV cache.
 
         positions: [num_tokens]; q: [num_tokens, heads, d]; k: [num_tokens, kv_heads, d].
         """
         if q_norm is None:
-            return norm_rope(q, k, positions, self.cos_sin_cache)
-        return norm_rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+            return norm_rope(q, k, positions, self.cos_sin_cache, kv_store=kv_store)
+        return norm_rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps,
+                         kv_store=kv_store)

@@ -39,8 +39,10 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, getattr(self, "q_norm", None), getattr(self, "k_norm", None))
-        return self.o_proj(self.attn(q, k, v))
+        store = self.attn.kv_store(v)  # on the GPU, RoPE writes K/V into the cache
+        q, k = self.rotary_emb(positions, q, k, getattr(self, "q_norm", None), getattr(self, "k_norm", None),
+                               kv_store=store)
+        return self.o_proj(self.attn(q, k, v, kv_stored=store is not None))
 
 
 class DecoderMLP(nn.Module):
