@@ -103,16 +103,17 @@ def test_norm_rope_stores_kv(dtype, with_norm):
 
 
 def test_norm_rope_torch_path_stores_kv():
-    """The torch path (CPU, or head sizes the kernel does not take) honours a KVStore too."""
+    """The torch path (CPU, or head sizes the kernel does not take) honours a KVStore too;
+    on a GPU it stores with the Triton store kernel (graph-safe), elsewhere the reference."""
     from nanovllm.kernels import torch_ref
     tokens, heads, kv_heads, d, max_pos = 3, 4, 2, 24, 16  # head size 24: not a power of two
-    q, k, v = _qkv_views(tokens, heads, kv_heads, d, torch.float32, "cpu")
-    positions, cos_sin = torch.tensor([0, 5, 9]), torch.randn(max_pos, d)
-    slots = torch.tensor([2, -1, 6])
+    q, k, v = _qkv_views(tokens, heads, kv_heads, d, torch.float32, DEVICE)
+    positions, cos_sin = torch.tensor([0, 5, 9], device=DEVICE), torch.randn(max_pos, d, device=DEVICE)
+    slots = torch.tensor([2, -1, 6], device=DEVICE)
     ref_q, ref_k = fused_ops.norm_rope(q.clone(), k.clone(), positions, cos_sin)
-    ref_caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, "cpu") for _ in range(2)]
+    ref_caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, DEVICE) for _ in range(2)]
     torch_ref.store_kvcache(ref_k, v, *ref_caches, slots)
-    caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, "cpu") for _ in range(2)]
+    caches = [_poisoned_cache(2, 4, kv_heads, d, torch.float32, DEVICE) for _ in range(2)]
     out_q, out_k = fused_ops.norm_rope(q, k, positions, cos_sin, kv_store=fused_ops.KVStore(v, *caches, slots))
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     for cache, ref in zip(caches, ref_caches):
