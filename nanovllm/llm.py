@@ -92,8 +92,11 @@ class LLM:
             raise ValueError("chat needs a tokenizer; this LLM runs with skip_tokenizer_init=True")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as e:  # raise_exception(), an undefined field, a type error on the messages' values
+            raise ValueError(f"the chat template could not render these messages: {e}") from e
         # The template writes the special tokens (BOS included) itself.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -144,7 +147,11 @@ def _as_prompt_list(prompts) -> list:
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
-    return list(prompts)
+    try:
+        return list(prompts)
+    except TypeError:
+        raise ValueError("a prompt must be a string, a list of token ids or a dict, "
+                         f"got {type(prompts).__name__}") from None
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
@@ -152,6 +159,8 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {params!r:.80}")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return list(params)

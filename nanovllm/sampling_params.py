@@ -52,8 +52,8 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "token ids")
         self._validate()
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
@@ -99,12 +99,12 @@ class SamplingParams:
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop_token_ids are allowed, "
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_STRINGS} ids, "
                              f"got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids entry", t, minimum=0)
@@ -141,6 +141,15 @@ class SamplingParams:
         """Engine side: record the model's EOS ids (none when ignore_eos)."""
         self._eos_token_ids = frozenset() if self.ignore_eos else frozenset(eos_token_ids)
         self._all_stop_token_ids = self._eos_token_ids | frozenset(self.stop_token_ids)
+
+
+def _as_list(name: str, value, entries: str) -> list:
+    """`value` (None, a list, tuple or set) as a list; anything else is a ValueError naming it."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise ValueError(f"{name} must be a list of {entries}, got {value!r}")
+    return list(value)
 
 
 def _check_number(name: str, value) -> float:

@@ -291,12 +291,18 @@ BAD_COMPLETIONS = [   # (body, status, param)
     ({"prompt": "hi", "top_k": -2}, 400, "top_k"), ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"), ({"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
     ({"prompt": "hi", "n": 0}, 400, "n"), ({"prompt": "hi", "n": 65}, 400, "n"), ({"prompt": "hi", "n": True}, 400, "n"),
-    ({"prompt": "hi", "stop": [""]}, 400, "stop"), ({"prompt": "hi", "stop": ["x"] * 1000}, 400, None),
-    ({"prompt": "hi", "stop": [1]}, 400, "stop[0]"), ({"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, None),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"), ({"prompt": "hi", "stop": ["x"] * 1000}, 400, "stop"),
+    ({"prompt": "hi", "stop": ""}, 400, "stop"), ({"prompt": "hi", "stop_token_ids": [5] * 65}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "stop": [1]}, 400, "stop[0]"), ({"prompt": "hi", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "hi", "seed": "x"}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"), ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    # booleans where numbers are expected, and the other way round
+    ({"prompt": "hi", "temperature": True}, 400, "temperature"), ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "hi", "logprobs": True}, 400, "logprobs"), ({"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"prompt": "hi", "presence_penalty": -2.5}, 400, "presence_penalty"), ({"prompt": "hi", "model": 5}, 400, "model"),
+    ({"prompt": "hi", "user": "someone"}, 400, "user"),
 ]
 
 BAD_CHATS = [
@@ -311,6 +317,13 @@ BAD_CHATS = [
     ({"messages": CHAT, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
     ({"messages": CHAT, "echo": True}, 400, "echo"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, 400, "messages"),
+    ({"messages": [{"role": 5, "content": "hi"}]}, 400, "messages"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
+    ({"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
+    ({"messages": CHAT, "n": 65, "stream": True}, 400, "n"),
 ]
 
 
@@ -332,11 +345,43 @@ def test_bad_chat_requests(server, body, status, param):
     _check_error(_post(server, "/v1/chat/completions", body), status, param)
 
 
+def test_message_content_error_names_both_allowed_shapes():
+    from nanovllm.entrypoints.openai.errors import APIError
+    from nanovllm.entrypoints.openai.protocol import parse_chat_request
+    with pytest.raises(APIError, match=r"'messages\[0\].content' must be a string or an array of text parts, got 5"):
+        parse_chat_request({"messages": [{"role": "user", "content": 5}]})
+
+
+def test_odd_but_valid_request_values(server, client):
+    """What OpenAI and vLLM accept is accepted: null for a default, `stop` as one string, any integer seed."""
+    base = {"model": MODEL_NAME, "prompt": "In the beginning", "temperature": 0, "ignore_eos": True}
+    out = _post(server, "/v1/completions", {**base, "max_tokens": None}).json()
+    assert out["usage"]["completion_tokens"] == 16   # null: the completions API's default
+    text = out["choices"][0]["text"]
+    stop = text[len(text) // 2:][:4]
+    as_string = _post(server, "/v1/completions", {**base, "stop": stop}).json()["choices"][0]
+    as_list = _post(server, "/v1/completions", {**base, "stop": [stop]}).json()["choices"][0]
+    assert as_string == as_list and as_string["finish_reason"] == "stop" and as_string["text"] == text[:text.index(stop)]
+    for seed in (-1, 2 ** 64 + 5):
+        body = {**base, "temperature": 1.0, "seed": seed, "max_tokens": 6, "top_k": 10 ** 30}
+        first, second = (_post(server, "/v1/completions", body).json() for _ in range(2))
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] and first["usage"]["completion_tokens"] == 6
+    chat = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": None, "max_tokens": 3,
+                                                  "ignore_eos": True, "stop": None}).json()
+    assert chat["usage"]["completion_tokens"] == 3
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=CHAT, n=2, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason == "length"]
+    assert sorted(finished) == [0, 1] and chunks[-1].usage.completion_tokens == 8
+
+
 def test_auth_model_size_and_route_errors(server, client):
     body = {"prompt": "hi", "max_tokens": 2}
     _check_error(_post(server, "/v1/completions", body, headers={}), 401, None)
     _check_error(_post(server, "/v1/completions", body, headers={"Authorization": "Bearer wrong"}), 401, None)
     _check_error(_post(server, "/tokenize", {"prompt": "hi"}, headers={}), 401, None)
+    _check_error(_post(server, "/detokenize", {"tokens": [1]}, headers={}), 401, None)
+    _check_error(_post(server, "/v1/chat/completions", {"messages": CHAT}, headers={"Authorization": API_KEY}), 401, None)
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -581,6 +626,94 @@ def test_engine_fault_fails_requests_and_health(model_dir):
         assert bm.num_free_blocks == bm.num_blocks   # the failed request's blocks were freed
     finally:
         llm.shutdown()
+
+
+def test_engine_fault_mid_stream_ends_the_stream_with_an_error_event(model_dir):
+    """A fault while a response streams: an OpenAI-shaped 503 error event, then [DONE]; its blocks are freed."""
+    from nanovllm.engine.async_llm import AsyncLLM
+    from nanovllm.entrypoints.openai.api_server import build_app
+    llm = AsyncLLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=64, log_stats_interval=0)
+    runner = llm.engine.model_runner
+    real_run, calls = runner.run, []
+
+    def failing_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected fault")
+        return real_run(*args, **kwargs)
+    runner.run = failing_run
+    body = {"prompt": "hi", "max_tokens": 50, "ignore_eos": True, "stream": True,
+            "presence_penalty": 0.5}   # a penalty keeps every step a plain `run` (no multi-step rounds)
+
+    async def go():
+        async with _asgi_client(build_app(llm, [MODEL_NAME])) as http:
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]" and len(events) >= 3
+            assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-2])   # tokens came first
+            error = json.loads(events[-2][len("data: "):])["error"]
+            assert error["code"] == 503 and "injected fault" in error["message"]
+            _check_error(await http.get("/health"), 503, None)
+    try:
+        asyncio.run(go())
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_api_key_is_compared_in_constant_time(async_llm, monkeypatch):
+    import hmac
+    from nanovllm.entrypoints.openai.api_server import build_app
+    compared = []
+    real_compare = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((a, b))
+        return real_compare(a, b)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    app = build_app(async_llm, [MODEL_NAME], api_key=API_KEY)
+
+    async def go():
+        async with _asgi_client(app) as http:
+            assert (await http.get("/v1/models", headers=AUTH)).status_code == 200
+            _check_error(await http.get("/v1/models", headers={"Authorization": "Bearer " + API_KEY[:-1]}), 401, None)
+    asyncio.run(go())
+    assert compared == [(API_KEY.encode(), API_KEY.encode()), (API_KEY[:-1].encode(), API_KEY.encode())]
+
+
+def test_chunked_body_over_the_limit_is_413(async_llm):
+    """A body sent without Content-Length (chunked) is cut off at the limit, not read to the end."""
+    from nanovllm.entrypoints.openai.api_server import build_app
+    app = build_app(async_llm, [MODEL_NAME], max_request_body_bytes=1000)
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'"}'
+
+    async def go():
+        async with _asgi_client(app) as http:
+            r = await http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert "content-length" not in r.request.headers
+            _check_error(r, 413, None)
+            r = await http.post("/tokenize", content=b'{"prompt": "hi"}', headers={"content-type": "application/json"})
+            assert r.status_code == 200   # a body under the limit passes
+    asyncio.run(go())
+    bm = async_llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_kv_cache_too_small_stops_the_server_at_start(model_dir):
+    """Too few KV blocks for one max_model_len sequence: a one-line exit before serving, never a hang."""
+    import argparse
+    from nanovllm.entrypoints.openai.api_server import add_cli_args, main
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(
+        [model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--num-kvcache-blocks", "3", "--log-level", "warning"])
+    with pytest.raises(SystemExit, match="nanovllm serve: error: KV cache too small"):
+        main(args)
 
 
 def test_async_llm_interleaves_requests(async_llm):

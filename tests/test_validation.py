@@ -188,6 +188,11 @@ def test_model_config_without_architectures():
     (dict(max_tokens=-3), "max_tokens must be >= 1, got -3"),
     (dict(max_tokens=2.5), "max_tokens must be an int, got 2.5"),
     (dict(ignore_eos="yes"), "ignore_eos must be a bool, got 'yes'"),
+    (dict(presence_penalty=True), "presence_penalty must be a finite number, got True"),
+    (dict(logprobs=True), "logprobs must be an int, got True"),
+    (dict(stop=5), "stop must be a list of strings, got 5"),
+    (dict(stop=b"###"), "stop must be a list of strings, got b'###'"),
+    (dict(stop_token_ids=7), "stop_token_ids must be a list of token ids, got 7"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -198,6 +203,15 @@ def test_sampling_params_edge_values_are_accepted():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(max_tokens=1).max_tokens == 1
     assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(stop=("a", "b"), stop_token_ids={7}).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 64 + 5, -(10 ** 30)])
+def test_extreme_seeds_and_top_k_run(still_serves, seed):
+    """Any Python int is a seed (vLLM takes them too), and top_k beyond the vocabulary means all of it."""
+    params = SamplingParams(temperature=1.0, seed=seed, top_k=10 ** 30, max_tokens=6, ignore_eos=True)
+    first, second = (still_serves.generate([GOOD_PROMPT], params, use_tqdm=False)[0] for _ in range(2))
+    assert len(first.outputs[0].token_ids) == 6 and first.outputs[0].token_ids == second.outputs[0].token_ids
 
 
 # ---- requests --------------------------------------------------------------------------
@@ -246,6 +260,24 @@ def test_empty_text_prompt(text_llm, good_reference, prompt):
     assert_idle(text_llm)
 
 
+@pytest.mark.parametrize("messages,kwargs,message", [
+    ([{"role": "user", "content": 5}], {}, "can only concatenate str"),       # a non-string content
+    ([{"role": "user"}], {}, "has no attribute 'content'"),                  # no content
+    ([{"role": "wizard", "content": "t5"}], {}, "unknown role wizard"),       # the template's raise_exception
+    ([{"role": "user", "content": "t5"}], {"messages": []}, "multiple values for keyword argument 'messages'"),
+])
+def test_chat_template_errors_are_value_errors(text_llm, monkeypatch, messages, kwargs, message):
+    monkeypatch.setattr(text_llm.get_tokenizer(), "chat_template",
+                        "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                        "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                        "{{ m['role'] + ' ' + m['content'] + ' ' }}{% endfor %}")
+    with pytest.raises(ValueError, match=f"the chat template could not render these messages: .*{message}"):
+        text_llm.chat(messages, GREEDY, use_tqdm=False, chat_template_kwargs=kwargs)
+    assert_idle(text_llm)
+    out, = text_llm.chat([{"role": "user", "content": "t5 t6"}], GREEDY, use_tqdm=False)
+    assert out.prompt == "user t5 t6 " and len(out.outputs[0].token_ids) == GOOD_LEN
+
+
 @pytest.mark.parametrize("prompt_len,max_tokens", [(60, 5), (63, 2), (1, MAX_MODEL_LEN)])
 def test_prompt_plus_max_tokens_beyond_max_model_len(still_serves, prompt_len, max_tokens):
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -268,6 +300,45 @@ def test_one_bad_prompt_queues_none_of_the_batch(still_serves):
     prompts = [GOOD_PROMPT, [1, 2, 3], [5, -7], [8, 9]]
     with pytest.raises(ValueError, match="token id -7"):
         still_serves.generate(prompts, GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("prompts,params,message", [
+    (None, GREEDY, "a prompt must be a string, a list of token ids or a dict, got NoneType"),
+    (5, GREEDY, "a prompt must be a string, a list of token ids or a dict, got int"),
+    ([GOOD_PROMPT], {"max_tokens": 4}, "sampling_params must be a SamplingParams or a list of them, got {'max_tokens'"),
+    ([GOOD_PROMPT, GOOD_PROMPT], [GREEDY, None], "sampling_params must be a SamplingParams or a list of them"),
+])
+def test_bad_call_arguments(still_serves, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        still_serves.generate(prompts, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=message):
+        still_serves.stream(prompts, params)
+
+
+def test_fault_in_the_forward_pass_fails_the_call_cleanly(still_serves, monkeypatch):
+    """An exception inside a step propagates from generate/stream; that call's requests are aborted
+    (every block freed) and the same LLM serves the next call (the `still_serves` check)."""
+    runner = still_serves.llm_engine.model_runner
+    real_run, calls = runner.run, []
+
+    def failing_run(*args, **kwargs):   # the second forward pass fails: after the prefill, in the decode
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault")
+        return real_run(*args, **kwargs)
+    monkeypatch.setattr(runner, "run", failing_run)
+    # a penalty keeps every step a plain `run`, also where multi-step decode rounds are the default
+    params = SamplingParams(temperature=0, max_tokens=GOOD_LEN, ignore_eos=True, repetition_penalty=1.1)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        still_serves.generate([GOOD_PROMPT, [9, 8, 7, 6]], params, use_tqdm=False)
+    assert_idle(still_serves)
+    calls.clear()
+    stream = still_serves.stream([GOOD_PROMPT], params)
+    assert next(stream).outputs[0].token_ids   # the prefill's token came through
+    with pytest.raises(RuntimeError, match="injected fault"):
+        next(stream)
+    assert_idle(still_serves)
+    monkeypatch.undo()
 
 
 def test_params_list_of_the_wrong_length(still_serves):

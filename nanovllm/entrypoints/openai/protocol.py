@@ -242,9 +242,10 @@ def _content(name: str, value: Any) -> str:
         return check_str(name, value)
     if value is None:
         raise bad_request(f"'{name}' is required", name)
-    parts = check_list(name, value)
+    if not isinstance(value, list):
+        raise bad_request(f"'{name}' must be a string or an array of text parts, got {_quote(value)}", name)
     texts = []
-    for i, part in enumerate(parts):
+    for i, part in enumerate(value):
         check_object(f"{name}[{i}]", part)
         if part.get("type") != "text" or set(part) != {"type", "text"}:
             raise bad_request(f"'{name}[{i}]': only text parts {{\"type\": \"text\", \"text\": ...}} "

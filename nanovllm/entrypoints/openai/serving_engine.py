@@ -161,6 +161,8 @@ def _param_of(message: str, request_id: str) -> str | None:
     words = message.split(" ", 2)
     if len(words) > 1 and words[1] == "must" and (words[0] in SAMPLING_FIELDS or words[0] == "max_tokens"):
         return words[0]
+    if message.startswith("stop token id"):
+        return "stop_token_ids"
     if message.startswith(("prompt", "the prompt", "token id", "sequence of")):
         return "messages" if request_id.startswith("chatcmpl") else "prompt"
     return None
