@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import torch_ref
+from nanovllm.kernels import get_attention_backend
 
 
 class KVStore(NamedTuple):
@@ -56,19 +56,9 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    if kv_store is not None:
-        _store_kvcache(k, *kv_store)
+    if kv_store is not None:  # the attention backend's store: on CUDA Triton's, which graphs can capture
+        get_attention_backend(k.device.type).store_kvcache(k, *kv_store)
     return q, k
-
-
-def _store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """The store for the torch path: Triton's on CUDA (no host sync, so CUDA graphs can
-    capture it), the reference elsewhere."""
-    if key.is_cuda:
-        from nanovllm.kernels import triton_attn
-        return triton_attn.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    torch_ref.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
