@@ -43,33 +43,31 @@ def test_rms_norm(dtype, hidden):
     _close(out, fused_ops._rms_norm_torch(x + res, w, 1e-6), dtype)
 
 
+def _qkv_views(tokens, heads, kv_heads, d, dtype, device):
+    """q, k, v as strided views of one packed qkv projection, as the decoder makes them."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_norm_rope_on_strided_views(dtype, with_norm):
     from nanovllm.kernels import triton_ops
     tokens, heads, kv_heads, d, max_pos = 5, 6, 2, 32, 64  # 6 heads: padded to 8 and masked
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=DEVICE)
-    q = qkv[:, :heads * d].view(tokens, heads, d)
-    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    q, k, v = _qkv_views(tokens, heads, kv_heads, d, dtype, DEVICE)
     positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
     cos_sin = torch.randn(max_pos, d, device=DEVICE)
     qw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
     kw = torch.randn(d, dtype=dtype, device=DEVICE) if with_norm else None
     ref_q, ref_k = fused_ops.norm_rope(q.cpu().clone(), k.cpu().clone(), positions.cpu(), cos_sin.cpu(),
                                        qw.cpu() if with_norm else None, kw.cpu() if with_norm else None)
-    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    v_before = v.clone()
     triton_ops.qk_norm_rope_(q, k, positions, cos_sin, qw, kw, 1e-6)
     _close(q.cpu(), ref_q, dtype)
     _close(k.cpu(), ref_k, dtype)
-    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
-
-
-def _qkv_views(tokens, heads, kv_heads, d, dtype, device):
-    """q, k, v as strided views of one packed qkv projection, as the decoder makes them."""
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
-    return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+    assert torch.equal(v, v_before)  # v untouched
 
 
 def _poisoned_cache(num_blocks, block_size, kv_heads, d, dtype, device):
