@@ -1,4 +1,4 @@
-"""The fused Gumbel-max sampling kernel (`kernels/triton_sampling.py`).
+"""The inverse-CDF sampling kernels (`kernels/triton_sampling.py`).
 
 Runs natively on a GPU. Without one, the file re-runs itself in a child process with
 `TRITON_INTERPRET=1` set from the start (tests/triton_interpreter.py). The exact-result
@@ -39,7 +39,7 @@ def sampling(request, monkeypatch):
 def _draw(sampling, logits, temperature, seeds):
     n = logits.shape[0]
     temperature = torch.as_tensor(temperature, dtype=torch.float32).expand(n).contiguous()
-    return sampling.gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE),
+    return sampling.sample_rows(logits.to(DEVICE), temperature.to(DEVICE),
                                   torch.as_tensor(seeds, dtype=torch.int64).to(DEVICE)).cpu()
 
 

@@ -1,86 +1,125 @@
-"""Random sampling in one pass over the logits, for the GPU: the Gumbel-max trick in Triton.
+"""Random sampling for the GPU, by inverse CDF over the logits, in Triton.
 
-argmax(logits / T + G), with G = -log(-log U) and U uniform, draws a token with
-probability softmax(logits / T): the distribution the torch sampler draws from with
-argmax(p / E), E ~ Exp(1) (E = -log U). The torch path writes the whole
-[num_seqs, vocab] matrix about seven times (float copy, temperature, softmax, noise,
-clamp, divide, argmax); this kernel reads the logits once, in their own dtype.
+A row with temperature T draws token i with probability softmax(logits / T)_i: the torch
+sampler's distribution, without writing any [num_seqs, vocab] matrix. Two launches:
 
-Each program scans one chunk of one row and keeps the best (score, index) per lane;
-a tiny torch reduction over the chunks finishes the argmax. Rows with temperature 0
-are greedy: plain argmax, ties to the lowest index as torch's. Each row draws U from
-Philox keyed by its own seed and the token index (one Philox counter per four
-columns), so a row's draw depends only on its seed: seeded requests are reproducible whatever else
-is in the batch, and unseeded rows get fresh seeds from the caller each step.
+1. `_chunk_stats_kernel`, one program per (row, chunk of columns): the chunk's maximum of
+   logits / T, the sum of exp(logits / T - that maximum), and its first argmax. One pass
+   over the logits in their own dtype, one exp per element.
+2. `_pick_kernel`, one program per row: the row's maximum and total mass from the chunk
+   stats; a uniform U from Philox keyed by the row's seed picks the mass U x total; the
+   chunk that holds it is found from the chunks' cumulative masses, and only that chunk is
+   scanned again for the token. Greedy rows (temperature 0) take the first chunk argmax:
+   ties go to the lowest index, as torch's argmax.
+
+Each row's U depends only on its seed, so seeded requests are reproducible whatever else
+is in the batch; unseeded rows get fresh seeds from the caller each step. (It replaced a
+Gumbel-max kernel, argmax(logits / T + G): that needed two logarithms and a share of a
+Philox call per element, and its random bits, not memory, bound it.)
 """
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 1024        # columns a program handles at once
-MAX_CHUNK = 8192    # columns per program: a 152k vocabulary is 19 programs per row
-MIN_BLOCK = 4       # four quarters of at least one lane
-TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32: keeps log(U) finite
+MAX_CHUNK = 8192    # columns per program of the first pass: a 152k vocabulary is 19 chunks a row
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _take_better(best, best_index, logits_row_ptr, cols, u, vocab_size, greedy, inv_t):
-    """Fold one block of columns, with their uniforms `u`, into the running best per lane."""
+def _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t):
+    """logits / T of some columns of a row in float32 (-inf past the vocabulary); greedy rows unscaled."""
     x = tl.load(logits_row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-    gumbel = -tl.log(-tl.log(tl.maximum(u, TINY)))
-    score = tl.where(greedy, x, x * inv_t + gumbel)
-    better = score > best  # strict: a lane keeps its lowest index among equal scores
-    return tl.where(better, score, best), tl.where(better, cols, best_index)
+    return tl.where(greedy, x, x * inv_t)
 
 
 @triton.jit
-def _gumbel_max_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, best_score_ptr, best_index_ptr,
-                       vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, chunk): the best score of the chunk's columns and its lowest index.
-
-    One Philox call yields four uniforms (`tl.rand4x`), one for each quarter of a block
-    of columns: the random bits, not the memory traffic, bound this kernel otherwise."""
-    QUARTER: tl.constexpr = BLOCK // 4
+def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, argmax_ptr,
+                        vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, chunk): max of z = logits / T over the chunk, sum of exp(z - max), first argmax."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    seed = tl.load(seed_ptr + row)
     logits_row_ptr = logits_ptr + row * stride
-    best = tl.full((QUARTER,), float("-inf"), tl.float32)
-    best_index = tl.zeros((QUARTER,), tl.int32)
-    lanes = tl.arange(0, QUARTER)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)   # running max per lane
+    mass = tl.zeros((BLOCK,), tl.float32)                 # sum of exp(z - best) per lane
+    best_index = tl.zeros((BLOCK,), tl.int32)
     for offset in range(0, CHUNK, BLOCK):
-        base = chunk * CHUNK + offset  # a multiple of 4: counters base / 4 + lane are this block's own
-        u0, u1, u2, u3 = tl.rand4x(seed, base // 4 + lanes)
-        best, best_index = _take_better(best, best_index, logits_row_ptr, base + lanes, u0,
-                                        vocab_size, greedy, inv_t)
-        best, best_index = _take_better(best, best_index, logits_row_ptr, base + QUARTER + lanes, u1,
-                                        vocab_size, greedy, inv_t)
-        best, best_index = _take_better(best, best_index, logits_row_ptr, base + 2 * QUARTER + lanes, u2,
-                                        vocab_size, greedy, inv_t)
-        best, best_index = _take_better(best, best_index, logits_row_ptr, base + 3 * QUARTER + lanes, u3,
-                                        vocab_size, greedy, inv_t)
+        cols = chunk * CHUNK + offset + lanes
+        z = _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t)
+        new_best = tl.maximum(best, z)
+        safe = tl.where(new_best == float("-inf"), 0.0, new_best)  # all -inf so far: no mass, no NaN
+        mass = mass * tl.exp2((best - safe) * LOG2E) + tl.exp2((z - safe) * LOG2E)
+        best_index = tl.where(z > best, cols, best_index)  # strict: a lane keeps its lowest index
+        best = new_best
     top = tl.max(best, axis=0)
-    index = tl.min(tl.where(best == top, best_index, vocab_size), axis=0)
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
     out = row * num_chunks + chunk
-    tl.store(best_score_ptr + out, top)
-    tl.store(best_index_ptr + out, tl.minimum(index, vocab_size - 1))
+    tl.store(max_ptr + out, top)
+    tl.store(mass_ptr + out, tl.sum(mass * tl.exp2((best - safe_top) * LOG2E), axis=0))
+    tl.store(argmax_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), axis=0))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_ptr, argmax_ptr, out_ptr,
+                 vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Program per row: greedy rows take the first chunk argmax; the others the token where the
+    cumulative mass passes U x total, U uniform from the row's seed."""
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature == 0.0
+    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    chunks = tl.arange(0, CHUNKS_PAD)
+    ok = chunks < num_chunks
+    stats = row * num_chunks + chunks
+    top = tl.load(max_ptr + stats, mask=ok, other=float("-inf"))         # [CHUNKS_PAD]
+    row_top = tl.max(top, axis=0)
+    if greedy:
+        first = tl.min(tl.where(top == row_top, chunks, CHUNKS_PAD), axis=0)
+        token = tl.load(argmax_ptr + row * num_chunks + first)
+    else:
+        weight = tl.load(mass_ptr + stats, mask=ok, other=0.0) * tl.exp2((top - row_top) * LOG2E)
+        weight = tl.where(ok & (top > float("-inf")), weight, 0.0)       # [CHUNKS_PAD] mass scaled to row_top
+        below = tl.cumsum(weight, axis=0)
+        target = tl.rand(tl.load(seed_ptr + row), tl.full((), 0, tl.int32)) * tl.sum(weight, axis=0)
+        last = tl.max(tl.where(weight > 0.0, chunks, 0), axis=0)
+        chosen = tl.minimum(tl.sum((below <= target).to(tl.int32), axis=0), last)
+        left = target - tl.sum(tl.where(chunks == chosen, below - weight, 0.0), axis=0)  # mass to go in it
+        logits_row_ptr = logits_ptr + row * stride
+        lanes = tl.arange(0, BLOCK)
+        seen = tl.zeros((), tl.float32)
+        token = tl.full((), -1, tl.int32)
+        fallback = chosen * CHUNK
+        for offset in range(0, CHUNK, BLOCK):
+            cols = chosen * CHUNK + offset + lanes
+            p = tl.exp2((_scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t) - row_top) * LOG2E)
+            passed = (seen + tl.cumsum(p, axis=0) > left) & (p > 0.0)
+            hit = tl.min(tl.where(passed, cols, vocab_size), axis=0)
+            token = tl.where((token < 0) & (hit < vocab_size), hit, token)
+            fallback = tl.maximum(fallback, tl.max(tl.where(p > 0.0, cols, 0), axis=0))
+            seen += tl.sum(p, axis=0)
+        token = tl.where(token < 0, fallback, token)  # float rounding left the mass short of `left`
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     """logits: [num_seqs, vocab] (any float dtype, rows may be strided); temperature: [num_seqs]
     float32, 0 for greedy rows; seeds: [num_seqs] int64 -> sampled token ids [num_seqs] int64."""
     assert logits.stride(1) == 1 and temperature.dtype == torch.float32 and seeds.dtype == torch.int64
     num_seqs, vocab_size = logits.shape
-    block = max(MIN_BLOCK, min(BLOCK, triton.next_power_of_2(vocab_size)))
+    block = min(BLOCK, triton.next_power_of_2(vocab_size))
     chunk = min(MAX_CHUNK, triton.cdiv(vocab_size, block) * block)
     num_chunks = triton.cdiv(vocab_size, chunk)
-    best_score = torch.empty(num_seqs, num_chunks, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(num_seqs, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_max_kernel[(num_seqs, num_chunks)](
-        logits, logits.stride(0), temperature, seeds, best_score, best_index, vocab_size, num_chunks,
-        CHUNK=chunk, BLOCK=block)
-    winner = best_score.argmax(1, keepdim=True)  # first chunk among equals: the lowest index
-    return best_index.gather(1, winner).squeeze(1).long()
+    top = torch.empty(num_seqs, num_chunks, dtype=torch.float32, device=logits.device)
+    mass = torch.empty_like(top)
+    argmax = torch.empty(num_seqs, num_chunks, dtype=torch.int32, device=logits.device)
+    tokens = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
+    _chunk_stats_kernel[(num_seqs, num_chunks)](
+        logits, logits.stride(0), temperature, top, mass, argmax, vocab_size, num_chunks, CHUNK=chunk, BLOCK=block)
+    _pick_kernel[(num_seqs,)](
+        logits, logits.stride(0), temperature, seeds, top, mass, argmax, tokens, vocab_size, num_chunks,
+        CHUNK=chunk, BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)))
+    return tokens

@@ -88,12 +88,12 @@ class Sampler(nn.Module):
     def fused_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Temperature and greedy rows in one kernel (kernels/triton_sampling.py). Seeded rows
         use their per-position seed; the others get fresh ones from the global RNG."""
-        from nanovllm.kernels.triton_sampling import gumbel_argmax
+        from nanovllm.kernels.triton_sampling import sample_rows
         temperature = metadata.temperature
         if metadata.is_greedy is not None:
             temperature = temperature.masked_fill(metadata.is_greedy, 0.0)
         base = int(torch.randint(MAX_SEED, (1,)))  # the CPU generator: no device sync
-        return gumbel_argmax(logits, temperature, metadata.row_seeds(logits.shape[0], base, MAX_SEED, logits.device))
+        return sample_rows(logits, temperature, metadata.row_seeds(logits.shape[0], base, MAX_SEED, logits.device))
 
     def random_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
         """probs: [num_seqs, vocab]; seeds: row -> seed of its draw -> token ids [num_seqs]."""
