@@ -24,6 +24,14 @@ import triton.language as tl
 BLOCK = 1024        # columns a program handles at once
 MAX_CHUNK = 8192    # columns per program of the first pass: a 152k vocabulary is 19 chunks a row
 LOG2E = tl.constexpr(1.4426950408889634)
+TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal float32
+
+
+@triton.jit
+def _inverse(temperature, greedy):
+    """1 / T, 1 for greedy rows; at least the smallest normal float32, so that a huge T (1e38
+    passes validation) scales a -inf logit to -inf, not to -inf x 0 = NaN."""
+    return tl.maximum(1.0 / tl.where(greedy, 1.0, temperature), TINY)
 
 
 @triton.jit
@@ -41,7 +49,7 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, 
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    inv_t = _inverse(temperature, greedy)
     logits_row_ptr = logits_ptr + row * stride
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)   # running max per lane
@@ -60,7 +68,9 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, 
     out = row * num_chunks + chunk
     tl.store(max_ptr + out, top)
     tl.store(mass_ptr + out, tl.sum(mass * tl.exp2((best - safe_top) * LOG2E), axis=0))
-    tl.store(argmax_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), axis=0))
+    # clamped: a NaN maximum (the interpreter's maximum keeps NaN; the GPU's drops it) matches no lane
+    tl.store(argmax_ptr + out, tl.minimum(tl.min(tl.where(best == top, best_index, vocab_size), axis=0),
+                                          vocab_size - 1))
 
 
 @triton.jit
@@ -71,14 +81,14 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_pt
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    inv_t = _inverse(temperature, greedy)
     chunks = tl.arange(0, CHUNKS_PAD)
     ok = chunks < num_chunks
     stats = row * num_chunks + chunks
     top = tl.load(max_ptr + stats, mask=ok, other=float("-inf"))         # [CHUNKS_PAD]
     row_top = tl.max(top, axis=0)
     if greedy:
-        first = tl.min(tl.where(top == row_top, chunks, CHUNKS_PAD), axis=0)
+        first = tl.minimum(tl.min(tl.where(top == row_top, chunks, CHUNKS_PAD), axis=0), num_chunks - 1)
         token = tl.load(argmax_ptr + row * num_chunks + first)
     else:
         weight = tl.load(mass_ptr + stats, mask=ok, other=0.0) * tl.exp2((top - row_top) * LOG2E)
@@ -92,7 +102,7 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_pt
         lanes = tl.arange(0, BLOCK)
         seen = tl.zeros((), tl.float32)
         token = tl.full((), -1, tl.int32)
-        fallback = chosen * CHUNK
+        fallback = tl.load(argmax_ptr + row * num_chunks + chosen)  # the chunk's top token: p > 0 if weight > 0
         for offset in range(0, CHUNK, BLOCK):
             cols = chosen * CHUNK + offset + lanes
             p = tl.exp2((_scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t) - row_top) * LOG2E)

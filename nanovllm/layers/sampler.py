@@ -13,7 +13,8 @@ E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
 seeded per (request seed, position), so their draws depend on nothing else in
 the batch; the other rows share one batched draw from the global RNG. On a GPU,
 a batch with no top-k/top-p/min-p row draws with one fused kernel instead
-(kernels/triton_sampling.py: the same trick, Philox noise keyed by a seed per row).
+(kernels/triton_sampling.py: inverse CDF of softmax(logits / T), one uniform from
+Philox keyed by a seed per row).
 """
 from __future__ import annotations
 

@@ -1,0 +1,130 @@
+"""Adversarial checks of kernels/triton_sampling.py::sample_rows against an exact inverse CDF:
+each row's uniform U is recomputed (the same tl.rand call), and the token must be the first
+whose float64 cumulative softmax(logits / T) passes U x total (rows within a hair of a
+boundary are skipped). Runs under Triton's interpreter without a GPU."""
+import pytest
+import torch
+
+from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
+
+
+@pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="the kernel runs in this process")
+def test_exact_sampling_under_triton_interpreter():
+    rerun_under_interpreter(__file__, 900)
+
+
+def _uniforms(seeds):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(seed_ptr, out_ptr):
+        row = tl.program_id(0)
+        tl.store(out_ptr + row, tl.rand(tl.load(seed_ptr + row), tl.full((), 0, tl.int32)))
+    out = torch.empty(len(seeds), dtype=torch.float32, device=DEVICE)
+    k[(len(seeds),)](torch.as_tensor(seeds, dtype=torch.int64, device=DEVICE), out)
+    return out.cpu().double()
+
+
+@pytest.fixture(params=["default-chunks", "tiny-chunks"])
+def sampling(request, monkeypatch):
+    from nanovllm.kernels import triton_sampling
+    if request.param == "tiny-chunks":
+        monkeypatch.setattr(triton_sampling, "BLOCK", 4)
+        monkeypatch.setattr(triton_sampling, "MAX_CHUNK", 8)
+    return triton_sampling
+
+
+def _cases(vocab, gen):
+    rows, temps = [], []
+    def add(x, t):
+        rows.append(x); temps.append(t)
+    for t in (1.0, 0.6, 1e-4, 100.0, 1e4):
+        add(torch.randn(vocab, generator=gen) * 3, t)                      # plain
+    x = torch.full((vocab,), float("-inf")); x[vocab - 2] = 0.5; add(x, 1.0)  # one finite
+    x = torch.full((vocab,), float("-inf")); x[3] = -1e30; add(x, 0.7)      # one finite, very negative
+    x = torch.full((vocab,), float("-inf")); x[[1, vocab - 1]] = 2.0; add(x, 1.0)  # two, far apart
+    x = torch.zeros(vocab); add(x, 1.0)                                      # flat
+    x = torch.zeros(vocab); x[vocab // 2] = 60.0; add(x, 1.0)                # very peaked
+    x = torch.randn(vocab, generator=gen); x[::3] = float("-inf"); add(x, 1.3)  # banned tokens
+    x = torch.randn(vocab, generator=gen) * 0.01; x[5] = 8.0; x[5 + 8] = 8.0; add(x, 1e-4)  # tiny T, tie across chunks
+    x = torch.full((vocab,), -30.0); x[0] = 30.0; x[vocab - 1] = 29.0; add(x, 1.0)  # mass only at both ends
+    return torch.stack(rows), torch.tensor(temps, dtype=torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [19, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_are_the_exact_inverse_cdf(sampling, vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    base, temps = _cases(vocab, gen)
+    reps = 8
+    logits = base.repeat(reps, 1).to(dtype)
+    temps = temps.repeat(reps)
+    seeds = list(range(1000, 1000 + logits.shape[0]))
+    tokens = sampling.sample_rows(logits.to(DEVICE), temps.to(DEVICE),
+                                  torch.tensor(seeds, dtype=torch.int64, device=DEVICE)).cpu()
+    u = _uniforms(seeds)
+    z = (logits.float() * (1.0 / temps)[:, None]).double()  # as the kernel: float32 x * (1 / T)
+    p = torch.softmax(z, -1)
+    cdf = p.cumsum(-1)
+    checked = 0
+    for r in range(logits.shape[0]):
+        tok = int(tokens[r])
+        assert 0 <= tok < vocab
+        assert p[r, tok] > 0, (r, tok)  # never a token of probability 0 (-inf logit)
+        target = u[r] * cdf[r, -1]
+        if (cdf[r] - target).abs().min() < 1e-5:
+            continue
+        expected = int((cdf[r] <= target).sum())
+        assert tok == expected, (r, tok, expected, float(u[r]))
+        checked += 1
+    assert checked > 0.8 * logits.shape[0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("vocab", [19, 37])
+def test_greedy_edge_rows(sampling, vocab):
+    rows = [torch.full((vocab,), float("-inf")), torch.full((vocab,), float("-inf")), torch.zeros(vocab)]
+    rows[1][vocab - 1] = -5.0
+    rows[2][[9, 17]] = 1.0
+    logits = torch.stack(rows)
+    tokens = sampling.sample_rows(logits.to(DEVICE), torch.zeros(3, device=DEVICE),
+                                  torch.arange(3, device=DEVICE)).cpu()
+    assert tokens.tolist() == [0, vocab - 1, 9]
+    # an all -inf row under sampling: a valid index, no crash
+    tokens = sampling.sample_rows(logits[:1].to(DEVICE), torch.ones(1, device=DEVICE),
+                                  torch.arange(1, device=DEVICE)).cpu()
+    assert 0 <= int(tokens[0]) < vocab
+
+
+@needs_kernels
+def test_nan_rows_give_valid_indices(sampling):
+    vocab = 37
+    x = torch.randn(4, vocab)
+    x[0, 5] = float("nan")
+    x[1, :] = float("nan")
+    x[2, 30] = float("inf")
+    x[3, :] = float("nan"); x[3, 11] = 1.0
+    for t in (0.0, 1.0):
+        tokens = sampling.sample_rows(x.to(DEVICE), torch.full((4,), t, device=DEVICE),
+                                      torch.arange(4, device=DEVICE)).cpu()
+        assert ((tokens >= 0) & (tokens < vocab)).all(), (t, tokens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [1e38, float("inf")])  # 1e300 from the request: inf in float32
+def test_huge_temperature_is_uniform_not_nan(sampling, temperature):
+    """SamplingParams accepts any finite temperature: 1 / T may round to 0 (or a subnormal);
+    banned tokens and the columns past the vocabulary must still never be drawn, and the
+    draw stays spread over the others (a NaN mass would pin every draw to one token)."""
+    vocab, n = 37, 48
+    logits = torch.randn(n, vocab) * 5
+    logits[:, 4] = float("-inf")
+    tokens = sampling.sample_rows(logits.to(DEVICE), torch.full((n,), temperature, device=DEVICE),
+                                  torch.arange(n, device=DEVICE)).cpu()
+    assert ((tokens >= 0) & (tokens < vocab) & (tokens != 4)).all()
+    assert len(set(tokens.tolist())) > 10
