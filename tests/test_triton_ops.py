@@ -125,3 +125,31 @@ def test_silu_and_mul(dtype):
     x = torch.randn(3, 2 * 1500, dtype=dtype, device=DEVICE)  # spans two column blocks
     gate, up = x.chunk(2, -1)
     _close(triton_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@needs_kernels
+def test_advance_decode_matches_the_torch_advance():
+    """One kernel advances a decode round's inputs in place exactly as ModelRunner._advance_decode
+    does out of place; rows past num_seqs (a graph's padding) are left alone."""
+    from types import SimpleNamespace
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.kernels import triton_ops
+    from nanovllm.utils.context import Context
+    block_size, num_seqs, padded = 4, 5, 8
+    block_tables = torch.randint(0, 50, (padded, 6), dtype=torch.int32, device=DEVICE)
+    positions = torch.tensor([0, 3, 7, 11, 18, 2, 2, 2], device=DEVICE)       # crossing block edges
+    seq_lens = (positions + 1).to(torch.int32)
+    slots = torch.full((padded,), -1, dtype=torch.int64, device=DEVICE)
+    input_ids = torch.zeros(padded, dtype=torch.int64, device=DEVICE)
+    tokens = torch.randint(0, 1000, (num_seqs,), device=DEVICE)
+    context = Context(slot_mapping=slots[:num_seqs], cu_seqlens_q=None, seq_lens_k=seq_lens[:num_seqs],
+                      block_tables=block_tables[:num_seqs], max_seqlen_q=1, max_seqlen_k=20)
+    ref_ids, ref_pos, ref_ctx = ModelRunner._advance_decode(SimpleNamespace(block_size=block_size), tokens,
+                                                            positions[:num_seqs], context)
+    pad_before = [t[num_seqs:].clone() for t in (input_ids, positions, slots, seq_lens)]
+    triton_ops.advance_decode_(tokens, input_ids, positions, slots, seq_lens, block_tables, block_size)
+    assert torch.equal(input_ids[:num_seqs], ref_ids) and torch.equal(positions[:num_seqs], ref_pos)
+    assert torch.equal(slots[:num_seqs], ref_ctx.slot_mapping)
+    assert torch.equal(seq_lens[:num_seqs], ref_ctx.seq_lens_k)
+    for t, before in zip((input_ids, positions, slots, seq_lens), pad_before):
+        assert torch.equal(t[num_seqs:], before)

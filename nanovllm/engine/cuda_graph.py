@@ -64,7 +64,7 @@ class CUDAGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Replay the graph for this decode batch; returns hidden states [num_seqs, hidden]."""
         n = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
+        bs = self._size(n)
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:n] = context.slot_mapping
@@ -76,3 +76,18 @@ class CUDAGraphRunner:
         self.block_tables[n:bs] = 0
         self.graphs[bs].replay()
         return self.hidden[:n]
+
+    def run_next_step(self, token_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The next step of the decode batch that `run` (or this) replayed last: its inputs advanced
+        in place in the graph's buffers by one kernel (the padding rows stay as they were), then
+        the replay. token_ids: [num_seqs] int64, the last step's samples. Returns [num_seqs, hidden]."""
+        from nanovllm.kernels import triton_ops
+        n = token_ids.shape[0]
+        triton_ops.advance_decode_(token_ids, self.input_ids, self.positions, self.slot_mapping,
+                                   self.seq_lens_k, self.block_tables, block_size)
+        self.graphs[self._size(n)].replay()
+        return self.hidden[:n]
+
+    def _size(self, num_seqs: int) -> int:
+        """The smallest captured batch size that holds `num_seqs` rows."""
+        return next(s for s in self.sizes if s >= num_seqs)

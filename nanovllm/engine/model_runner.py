@@ -229,14 +229,19 @@ class ModelRunner:
         num_pending = 0 if after is None else 1
         input_ids, positions, context, _ = self.prepare(seqs, after)
         metadata = SamplingMetadata.build(seqs, self.model_config.vocab_size, self.device)
+        in_graph = self.graph_runner is not None and self.graph_runner.can_run(context, len(seqs))
         steps, token_ids = [], None
         for step in range(num_steps):
-            if step > 0:
+            if step > 0 and not in_graph:
                 input_ids, positions, context = self._advance_decode(token_ids, positions, context)
             if step + num_pending > 0:
                 metadata.advance_seeds(seqs, step + num_pending)
-            with set_context(context):
-                logits = self.model.compute_logits(self._forward(input_ids, positions, context))
+            with set_context(context):  # after step 0 in a graph, only its logits_indices is read
+                if step > 0 and in_graph:  # the graph's input buffers advance in place, one launch
+                    hidden = self.graph_runner.run_next_step(token_ids, self.block_size)
+                else:
+                    hidden = self._forward(input_ids, positions, context)
+                logits = self.model.compute_logits(hidden)
             sample = self.sampler(logits, metadata)
             token_ids, ready = sample.token_ids, None
             if self.device.type == "cuda":

@@ -154,3 +154,39 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, SILU_BLOCK))](
         x, out, x.stride(0), out.stride(0), d, BLOCK=SILU_BLOCK)
     return out
+
+
+@triton.jit
+def _advance_decode_kernel(token_ids_ptr, input_ids_ptr, positions_ptr, slot_ptr, seq_lens_ptr,
+                           block_tables_ptr, stride_bt, num_seqs,
+                           BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [0, num_seqs): the next decode step's inputs, in place, from this step's tokens."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < num_seqs
+    position = tl.load(positions_ptr + rows, mask=mask, other=0) + 1
+    block = tl.load(block_tables_ptr + rows.to(tl.int64) * stride_bt + position // BLOCK_SIZE, mask=mask, other=0)
+    tl.store(positions_ptr + rows, position, mask=mask)
+    tl.store(slot_ptr + rows, block.to(tl.int64) * BLOCK_SIZE + position % BLOCK_SIZE, mask=mask)
+    tl.store(seq_lens_ptr + rows, tl.load(seq_lens_ptr + rows, mask=mask, other=0) + 1, mask=mask)
+    tl.store(input_ids_ptr + rows, tl.load(token_ids_ptr + rows, mask=mask, other=0), mask=mask)
+
+
+ADVANCE_BLOCK = 256  # rows per program
+
+
+def advance_decode_(token_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
+                    block_size: int) -> None:
+    """One launch for what the next step of a decode round needs, written in place over this
+    step's inputs (a CUDA graph's static buffers): input_ids = token_ids, positions += 1,
+    seq_lens_k += 1, slot_mapping = the new position's cache slot through block_tables.
+
+    token_ids, input_ids, positions, slot_mapping: [num_seqs] int64; seq_lens_k: [num_seqs]
+    int32; block_tables: [num_seqs, max_blocks] int32 (covering the new positions).
+    """
+    num_seqs = token_ids.shape[0]
+    assert block_tables.stride(1) == 1 and all(t.shape[0] >= num_seqs for t in
+                                               (input_ids, positions, slot_mapping, seq_lens_k, block_tables))
+    _advance_decode_kernel[(triton.cdiv(num_seqs, ADVANCE_BLOCK),)](
+        token_ids, input_ids, positions, slot_mapping, seq_lens_k, block_tables, block_tables.stride(0),
+        num_seqs, BLOCK_SIZE=block_size, BLOCK=ADVANCE_BLOCK)
