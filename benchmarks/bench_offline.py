@@ -116,13 +116,13 @@ class StepTimer:
         out = self._run(seqs)  # host values: the GPU is done
         self.run_s += time.perf_counter() - start
         self.steps += 1
-        self._end_bracket()
+        self._end_bracket("step")
         return out
 
     def _timed_launch(self, seqs, num_steps, after=None):
         start = time.perf_counter()
         decode_round = self._launch(seqs, num_steps, after=after)
-        self._end_bracket()  # recorded in the stream after the round's last step
+        self._end_bracket("round" if after is None else "chained round")  # after the round's last step
         self.run_s += time.perf_counter() - start
         self.steps += num_steps
         decode_round.outputs = self._timed_outputs(decode_round.outputs)
@@ -142,15 +142,27 @@ class StepTimer:
                 yield output
         return timed
 
-    def _end_bracket(self) -> None:
+    def _end_bracket(self, kind: str) -> None:
         if self._pending is not None:
             self._pending[1].record()
-            self.gpu_events.append(self._pending)
+            self.gpu_events.append((*self._pending, kind))
             self._pending = None
 
     def gpu_s(self) -> float:
         torch.cuda.synchronize()
-        return sum(a.elapsed_time(b) for a, b in self.gpu_events) / 1e3
+        return sum(a.elapsed_time(b) for a, b, _ in self.gpu_events) / 1e3
+
+    def gpu_gaps(self) -> dict[str, list]:
+        """Stream time between consecutive brackets (the GPU idle, or running the little that
+        is recorded outside them: input copies), by the kinds of the two brackets:
+        {"step -> round": [count, total ms], ...}."""
+        torch.cuda.synchronize()
+        gaps: dict[str, list] = {}
+        for (_, end, before), (start, _, after) in zip(self.gpu_events, self.gpu_events[1:]):
+            gap = gaps.setdefault(f"{before} -> {after}", [0, 0.0])
+            gap[0] += 1
+            gap[1] = round(gap[1] + end.elapsed_time(start), 3)
+        return gaps
 
 
 def main():
@@ -206,7 +218,8 @@ def main():
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         stats = torch.cuda.memory_stats()  # rank 0's; retries mean cudaFree + re-malloc (a device sync)
-        result.update(alloc_retries=stats["num_alloc_retries"], device_mallocs=stats["num_device_alloc"])
+        result.update(alloc_retries=stats["num_alloc_retries"], device_mallocs=stats["num_device_alloc"],
+                      gpu_gap_ms=timer.gpu_gaps())
         bandwidth = copy_bandwidth()
         # each of the tensor-parallel GPUs moves its share of the bytes, at the same time
         floor_s = roofline_bytes(cfg, prompts, params) / bandwidth / args.tensor_parallel_size

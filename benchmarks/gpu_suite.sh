@@ -23,6 +23,7 @@ step() {
 step test_triton_attn "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
 step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
 step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_sampling.py \
+    tests/test_sampling_exact.py \
     tests/test_sampling.py tests/test_gpu_engine.py \
     tests/test_multi_step.py
 step bench_offline "$PYTHON" benchmarks/bench_offline.py

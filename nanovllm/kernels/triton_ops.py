@@ -156,7 +156,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # one compile for every batch size
 def _advance_decode_kernel(token_ids_ptr, input_ids_ptr, positions_ptr, slot_ptr, seq_lens_ptr,
                            block_tables_ptr, stride_bt, num_seqs,
                            BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
