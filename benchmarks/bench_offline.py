@@ -116,13 +116,13 @@ class StepTimer:
         out = self._run(seqs)  # host values: the GPU is done
         self.run_s += time.perf_counter() - start
         self.steps += 1
-        self._end_bracket("step")
+        self._end_bracket("step", len(seqs))
         return out
 
     def _timed_launch(self, seqs, num_steps, after=None):
         start = time.perf_counter()
         decode_round = self._launch(seqs, num_steps, after=after)
-        self._end_bracket("round" if after is None else "chained round")  # after the round's last step
+        self._end_bracket("round" if after is None else "chained round", len(seqs))  # after its last step
         self.run_s += time.perf_counter() - start
         self.steps += num_steps
         decode_round.outputs = self._timed_outputs(decode_round.outputs)
@@ -142,27 +142,28 @@ class StepTimer:
                 yield output
         return timed
 
-    def _end_bracket(self, kind: str) -> None:
+    def _end_bracket(self, kind: str, num_seqs: int) -> None:
         if self._pending is not None:
             self._pending[1].record()
-            self.gpu_events.append((*self._pending, kind))
+            self.gpu_events.append((*self._pending, kind, num_seqs))
             self._pending = None
 
     def gpu_s(self) -> float:
         torch.cuda.synchronize()
-        return sum(a.elapsed_time(b) for a, b, _ in self.gpu_events) / 1e3
+        return sum(a.elapsed_time(b) for a, b, *_ in self.gpu_events) / 1e3
 
     def gpu_gaps(self) -> dict[str, list]:
         """Stream time between consecutive brackets (the GPU idle, or running the little that
-        is recorded outside them: input copies), by the kinds of the two brackets:
-        {"step -> round": [count, total ms], ...}."""
+        is recorded outside them: input copies), by the kinds of the two brackets and the
+        second one's batch size rounded up to a power of two:
+        {"step -> round, <=256 seqs": [count, total ms], ...}."""
         torch.cuda.synchronize()
         gaps: dict[str, list] = {}
-        for (_, end, before), (start, _, after) in zip(self.gpu_events, self.gpu_events[1:]):
-            gap = gaps.setdefault(f"{before} -> {after}", [0, 0.0])
+        for (_, end, before, _), (start, _, after, num_seqs) in zip(self.gpu_events, self.gpu_events[1:]):
+            gap = gaps.setdefault(f"{before} -> {after}, <={1 << (num_seqs - 1).bit_length()} seqs", [0, 0.0])
             gap[0] += 1
             gap[1] = round(gap[1] + end.elapsed_time(start), 3)
-        return gaps
+        return dict(sorted(gaps.items()))
 
 
 def main():
