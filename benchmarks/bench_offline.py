@@ -13,6 +13,7 @@ JSON line.
     python benchmarks/bench_offline.py --small         # a tiny smoke run (CPU is fine)
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -89,6 +90,7 @@ class StepTimer:
 
     def __init__(self, runner):
         self.steps, self.run_s, self.prepare_s, self.gpu_events, self._pending = 0, 0.0, 0.0, [], None
+        self._late = False
         self.cuda = runner.device.type == "cuda"
         driver = getattr(runner, "driver", runner)  # rank 0's ModelRunner under tensor parallelism
         self._prepare, self._forward = driver.prepare, driver._forward
@@ -107,6 +109,8 @@ class StepTimer:
 
     def _timed_forward(self, *args):
         if self.cuda and self._pending is None:
+            # late: the GPU had finished the previous bracket before this one was queued
+            self._late = bool(self.gpu_events) and self.gpu_events[-1][1].query()
             self._pending = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._pending[0].record()
         return self._forward(*args)
@@ -145,7 +149,7 @@ class StepTimer:
     def _end_bracket(self, kind: str, num_seqs: int) -> None:
         if self._pending is not None:
             self._pending[1].record()
-            self.gpu_events.append((*self._pending, kind, num_seqs))
+            self.gpu_events.append((*self._pending, kind, num_seqs, self._late))
             self._pending = None
 
     def gpu_s(self) -> float:
@@ -156,14 +160,48 @@ class StepTimer:
         """Stream time between consecutive brackets (the GPU idle, or running the little that
         is recorded outside them: input copies), by the kinds of the two brackets and the
         second one's batch size rounded up to a power of two:
-        {"step -> round, <=256 seqs": [count, total ms], ...}."""
+        {"step -> round, <=256 seqs": [count, total ms, count queued late], ...}; late: the
+        GPU had finished the first bracket when the host queued the second."""
         torch.cuda.synchronize()
         gaps: dict[str, list] = {}
-        for (_, end, before, _), (start, _, after, num_seqs) in zip(self.gpu_events, self.gpu_events[1:]):
-            gap = gaps.setdefault(f"{before} -> {after}, <={1 << (num_seqs - 1).bit_length()} seqs", [0, 0.0])
+        for (_, end, before, *_), (start, _, after, num_seqs, late) in zip(self.gpu_events, self.gpu_events[1:]):
+            gap = gaps.setdefault(f"{before} -> {after}, <={1 << (num_seqs - 1).bit_length()} seqs", [0, 0.0, 0])
             gap[0] += 1
             gap[1] = round(gap[1] + end.elapsed_time(start), 3)
+            gap[2] += late
         return dict(sorted(gaps.items()))
+
+
+class GCPauses:
+    """Python's garbage-collector pauses while it is alive, by generation."""
+
+    def __init__(self):
+        self._pauses: dict[int, list] = {}  # generation -> [count, total ms, longest ms]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._start) * 1e3
+        pause = self._pauses.setdefault(info["generation"], [0, 0.0, 0.0])
+        pause[0] += 1
+        pause[1] = round(pause[1] + ms, 3)
+        pause[2] = round(max(pause[2], ms), 3)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, list]:
+        """{"gen<N>": [count, total ms, longest ms]}"""
+        return {f"gen{g}": v for g, v in sorted(self._pauses.items())}
+
+
+def host_alloc_count() -> int:
+    """Pinned host blocks torch has allocated so far (cudaHostAlloc calls); 0 without the stats."""
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return stats.get("num_host_alloc", 0)
 
 
 def main():
@@ -201,9 +239,13 @@ def main():
     warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=WARMUP_TOKENS)
     llm.generate(prompts[:WARMUP_PROMPTS], warm, use_tqdm=False)
     timer = StepTimer(llm.llm_engine.model_runner)
+    gc_pauses = GCPauses()
+    host_allocs = host_alloc_count()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    gc_pauses.stop()
+    host_allocs = host_alloc_count() - host_allocs
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(p.max_tokens for p in params), "ignore_eos: every request runs to max_tokens"
     per_step = lambda seconds: round(seconds / timer.steps * 1e3, 3)  # noqa: E731
@@ -220,7 +262,7 @@ def main():
     if torch.cuda.is_available():
         stats = torch.cuda.memory_stats()  # rank 0's; retries mean cudaFree + re-malloc (a device sync)
         result.update(alloc_retries=stats["num_alloc_retries"], device_mallocs=stats["num_device_alloc"],
-                      gpu_gap_ms=timer.gpu_gaps())
+                      pinned_host_allocs=host_allocs, gc_pauses=gc_pauses.summary(), gpu_gap_ms=timer.gpu_gaps())
         bandwidth = copy_bandwidth()
         # each of the tensor-parallel GPUs moves its share of the bytes, at the same time
         floor_s = roofline_bytes(cfg, prompts, params) / bandwidth / args.tensor_parallel_size
