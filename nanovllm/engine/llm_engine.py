@@ -5,6 +5,8 @@ returns what is new for each request it advanced (vLLM's DELTA outputs), `abort`
 drops a request and frees its blocks at once. `LLM` (llm.py) drives `step` for
 scripts: streamed, or with the deltas folded into final outputs.
 """
+import atexit
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,6 +26,18 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import resolve_device
 
 PromptType = str | list[int] | dict
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (the model, tokenizer, torch's and transformers'
+    own) out of the garbage collector's view, as vLLM does once it has started: a full
+    collection otherwise walks all of them, one pause of ~100 ms on B1 that the GPU waited
+    out (benchmarks/RESULTS.md). Objects made later are collected as usual; frozen ones are
+    still freed by reference counting; cycles among them are collected at exit (native
+    extensions such as Triton's report their objects as leaked otherwise)."""
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)  # once per engine: the later calls find nothing frozen
 
 
 class LLMEngine:
@@ -49,6 +63,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
+        freeze_startup_heap()
 
     def _max_model_len(self) -> int:
         """Config.max_model_len, or the model's max_position_embeddings; never beyond what the model supports."""
