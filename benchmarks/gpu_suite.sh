@@ -17,7 +17,9 @@ step() {
     local name=$1; shift
     [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0  # ONLY="a b": run just those steps
     echo "=== $name: $*"
+    local start=$SECONDS
     "$@" 2>&1 | tee "$LOG_DIR/$name.log" || { echo "=== $name FAILED"; failed=1; }
+    echo "=== $name: $((SECONDS - start)) s (suite so far: $SECONDS s)"
 }
 
 step test_triton_attn "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
