@@ -55,8 +55,10 @@ def build_step_inputs(seqs: list[Sequence], block_size: int, num_pending: int = 
         positions = starts
         rows = np.arange(len(seqs))
     else:
-        input_ids = np.fromiter((t for s in seqs for t in s.token_ids[s.num_computed_tokens:
-                                 s.num_computed_tokens + s.num_scheduled_tokens]), np.int64, int(q_lens.sum()))
+        flat_ids: list[int] = []  # list slices joined at C speed, then one conversion
+        for s in seqs:
+            flat_ids += s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+        input_ids = np.array(flat_ids, np.int64)
         rows = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens) + starts[rows]
     slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size

@@ -1,0 +1,72 @@
+"""Host time of B1's engine steps with the model stood in (CPU, no GPU needed).
+
+B1's synchronous steps (its prefill chunks) leave the GPU idle while the host takes the
+sampled tokens, schedules and builds the next step; `bench_offline.py` reports those gaps
+on a GPU ("gpu_gap_ms"). This replays B1's workload through the real scheduler, block
+manager, step inputs and output processing, with `ModelRunner.run` replaced by a stand-in
+that builds the step's inputs (`prepare`) and samples token 0, and prints the host time of
+each step until every prompt is prefilled.
+
+    python benchmarks/bench_host_steps.py [--profile]
+"""
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests"), os.path.dirname(__file__)]
+from bench_offline import workload  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
+
+from nanovllm import LLM  # noqa: E402
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput  # noqa: E402
+
+B1_VOCAB = 10_001  # B1's prompt ids are randint(0, 10000)
+B1_MAX_MODEL_LEN = 4096
+NUM_KV_BLOCKS = 12_000  # room for every B1 prompt at block size 16
+
+
+def stand_in_run(runner):
+    """ModelRunner.run without the model: the step's inputs are built, every sampling row gets token 0."""
+    def run(seqs):
+        _, _, _, sampling = runner.prepare(seqs)
+        output = ModelRunnerOutput.empty(len(seqs))
+        for i in sampling:
+            output.sampled_token_ids[i] = 0
+        return output
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", action="store_true", help="print the functions taking the most host time")
+    args = ap.parse_args()
+    path = tempfile.mkdtemp(prefix="nanovllm-host-")
+    build_tiny_model("qwen3", path, vocab_size=B1_VOCAB, max_position_embeddings=B1_MAX_MODEL_LEN)
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=B1_MAX_MODEL_LEN, num_kvcache_blocks=NUM_KV_BLOCKS,
+              max_num_batched_tokens=16384, max_num_seqs=256)
+    engine = llm.llm_engine
+    engine.model_runner.run = stand_in_run(engine.model_runner)
+    for prompt, params in zip(*workload(256, 1024, 1024)):
+        engine.add_request(None, prompt, params)
+    profile, step_ms = cProfile.Profile(), []
+    while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
+        start = time.perf_counter()
+        if args.profile:
+            profile.enable()
+        engine.step()
+        if args.profile:
+            profile.disable()
+        step_ms.append(round((time.perf_counter() - start) * 1e3, 2))
+    print(json.dumps({"bench": "host_steps", "prefill_steps": len(step_ms), "step_ms": step_ms,
+                      "total_ms": round(sum(step_ms), 1), "profiled": args.profile}))
+    if args.profile:
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
