@@ -15,18 +15,15 @@ import json
 import os
 import pstats
 import sys
-import tempfile
 import time
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "tests"), os.path.dirname(__file__)]
-from bench_offline import workload  # noqa: E402
-from tiny_models import build_tiny_model  # noqa: E402
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_offline import SMALL, model_dir, workload  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput  # noqa: E402
 
-B1_VOCAB = 10_001  # B1's prompt ids are randint(0, 10000)
-B1_MAX_MODEL_LEN = 4096
+MODEL = dict(SMALL, vocab_size=10_001)  # B1's prompt ids are randint(0, 10000)
 NUM_KV_BLOCKS = 12_000  # room for every B1 prompt at block size 16
 
 
@@ -45,10 +42,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="print the functions taking the most host time")
     args = ap.parse_args()
-    path = tempfile.mkdtemp(prefix="nanovllm-host-")
-    build_tiny_model("qwen3", path, vocab_size=B1_VOCAB, max_position_embeddings=B1_MAX_MODEL_LEN)
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=B1_MAX_MODEL_LEN, num_kvcache_blocks=NUM_KV_BLOCKS,
-              max_num_batched_tokens=16384, max_num_seqs=256)
+    llm = LLM(model_dir(MODEL), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              num_kvcache_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=16384, max_num_seqs=256)
     engine = llm.llm_engine
     engine.model_runner.run = stand_in_run(engine.model_runner)
     for prompt, params in zip(*workload(256, 1024, 1024)):
