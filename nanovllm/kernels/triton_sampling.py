@@ -5,7 +5,8 @@ sampler's distribution, without writing any [num_seqs, vocab] matrix. Two launch
 
 1. `_chunk_stats_kernel`, one program per (row, chunk of columns): the chunk's maximum of
    logits / T, the sum of exp(logits / T - that maximum), and its first argmax. One pass
-   over the logits in their own dtype, one exp per element.
+   over the logits in their own dtype; two exp2 per element (its term, and the rescale of
+   its lane's running sum to the lane's new maximum).
 2. `_pick_kernel`, one program per row: the row's maximum and total mass from the chunk
    stats; a uniform U from Philox keyed by the row's seed picks the mass U x total; the
    chunk that holds it is found from the chunks' cumulative masses, and only that chunk is

@@ -12,7 +12,7 @@ The random draw is the Gumbel-max trick in exponential form: argmax(p / E) with
 E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
 seeded per (request seed, position), so their draws depend on nothing else in
 the batch; the other rows share one batched draw from the global RNG. On a GPU,
-a batch with no top-k/top-p/min-p row draws with one fused kernel instead
+a batch with no top-k/top-p/min-p row draws with two fused Triton launches instead
 (kernels/triton_sampling.py: inverse CDF of softmax(logits / T), one uniform from
 Philox keyed by a seed per row).
 """
@@ -87,7 +87,7 @@ class Sampler(nn.Module):
         return sampled if greedy is None else torch.where(metadata.is_greedy, greedy, sampled)
 
     def fused_sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature and greedy rows in one kernel (kernels/triton_sampling.py). Seeded rows
+        """Temperature and greedy rows in two launches (kernels/triton_sampling.py). Seeded rows
         use their per-position seed; the others get fresh ones from the global RNG."""
         from nanovllm.kernels.triton_sampling import sample_rows
         temperature = metadata.temperature
