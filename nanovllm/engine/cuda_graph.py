@@ -4,8 +4,9 @@ A decode step of a small model is hundreds of short kernels; launching them one
 by one from Python leaves the GPU idle between them. `CUDAGraphRunner` captures
 the model's forward pass for a set of batch sizes over static input buffers. A
 step with `n` decoding sequences copies its inputs into the buffers of the
-smallest captured size `>= n` and replays that graph. Padding rows point at a
-harmless context (one key in block 0) and write no KV (slot -1).
+smallest captured size `>= n` and replays that graph; the later steps of a
+multi-step decode round advance those buffers in place instead (`run_next_step`).
+Padding rows point at a harmless context (one key in block 0) and write no KV (slot -1).
 """
 import torch
 

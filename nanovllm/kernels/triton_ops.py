@@ -1,5 +1,7 @@
 """Fused small ops for the GPU path, in Triton: RMSNorm (+ residual add),
-q/k RMSNorm + RoPE (+ the K/V cache write), and SiLU-and-mul.
+q/k RMSNorm + RoPE (+ the K/V cache write), SiLU-and-mul, and the in-place advance of
+a decode round's inputs between CUDA graph replays (`advance_decode_`, the math of
+`ModelRunner._advance_decode`).
 
 Unfused, each of these is several elementwise kernels per layer; in a decode step
 that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
@@ -181,8 +183,9 @@ def advance_decode_(token_ids: torch.Tensor, input_ids: torch.Tensor, positions:
     step's inputs (a CUDA graph's static buffers): input_ids = token_ids, positions += 1,
     seq_lens_k += 1, slot_mapping = the new position's cache slot through block_tables.
 
-    token_ids, input_ids, positions, slot_mapping: [num_seqs] int64; seq_lens_k: [num_seqs]
-    int32; block_tables: [num_seqs, max_blocks] int32 (covering the new positions).
+    token_ids: [num_seqs] int64; input_ids, positions, slot_mapping: [>= num_seqs] int64;
+    seq_lens_k: [>= num_seqs] int32; block_tables: [>= num_seqs, max_blocks] int32 (covering
+    the new positions). Rows from num_seqs on (a graph's padding) are left as they are.
     """
     num_seqs = token_ids.shape[0]
     assert block_tables.stride(1) == 1 and all(t.shape[0] >= num_seqs for t in
