@@ -10,6 +10,7 @@ give the same results and still admit newcomers and aborts between rounds.
 """
 import gc
 import random
+import weakref
 
 import pytest
 
@@ -259,3 +260,22 @@ def test_engine_start_freezes_the_heap(tiny_model):
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert gc.get_freeze_count() <= frozen  # nothing new frozen (frozen objects may be freed)
     assert any(obj is outs for obj in gc.get_objects())
+
+
+class _Node:
+    """A weak-referenceable object for a reference cycle."""
+
+
+def test_a_later_engine_start_collects_what_an_earlier_one_froze():
+    """Cycles frozen alive at one engine's start and dropped since (a whole earlier engine,
+    say) are collected when the next engine starts, not only at exit."""
+    from nanovllm.engine.llm_engine import freeze_startup_heap
+    node = _Node()
+    node.cycle = node
+    alive = weakref.ref(node)
+    freeze_startup_heap()
+    del node
+    gc.collect()
+    assert alive() is not None  # frozen: the collector does not see the dropped cycle
+    freeze_startup_heap()
+    assert alive() is None

@@ -33,11 +33,14 @@ def freeze_startup_heap() -> None:
     own) out of the garbage collector's view, as vLLM does once it has started: a full
     collection otherwise walks all of them, one pause of ~100 ms on B1 that the GPU waited
     out (benchmarks/RESULTS.md). Objects made later are collected as usual; frozen ones are
-    still freed by reference counting; cycles among them are collected at exit (native
-    extensions such as Triton's report their objects as leaked otherwise)."""
+    still freed by reference counting; cycles among them are collected when the next engine
+    starts (an earlier engine dropped since, say), or at exit (native extensions such as
+    Triton's report their objects as leaked otherwise)."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
-    atexit.register(gc.unfreeze)  # once per engine: the later calls find nothing frozen
+    atexit.unregister(gc.unfreeze)  # one exit hook, however many engines start
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
