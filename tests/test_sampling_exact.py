@@ -7,13 +7,15 @@ import torch
 
 from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 
+CHILD_TIMEOUT_S = 900
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEG_INF = float("-inf")
 needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
 
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="the kernel runs in this process")
 def test_exact_sampling_under_triton_interpreter():
-    rerun_under_interpreter(__file__, 900)
+    rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
 def _uniforms(seeds):
@@ -38,21 +40,29 @@ def sampling(request, monkeypatch):
     return triton_sampling
 
 
+def _with(row, values):
+    """`row` with the columns of `values` ({col: logit}) set."""
+    row = row.clone()
+    for col, value in values.items():
+        row[col] = value
+    return row
+
+
 def _cases(vocab, gen):
-    rows, temps = [], []
-    def add(x, t):
-        rows.append(x); temps.append(t)
-    for t in (1.0, 0.6, 1e-4, 100.0, 1e4):
-        add(torch.randn(vocab, generator=gen) * 3, t)                      # plain
-    x = torch.full((vocab,), float("-inf")); x[vocab - 2] = 0.5; add(x, 1.0)  # one finite
-    x = torch.full((vocab,), float("-inf")); x[3] = -1e30; add(x, 0.7)      # one finite, very negative
-    x = torch.full((vocab,), float("-inf")); x[[1, vocab - 1]] = 2.0; add(x, 1.0)  # two, far apart
-    x = torch.zeros(vocab); add(x, 1.0)                                      # flat
-    x = torch.zeros(vocab); x[vocab // 2] = 60.0; add(x, 1.0)                # very peaked
-    x = torch.randn(vocab, generator=gen); x[::3] = float("-inf"); add(x, 1.3)  # banned tokens
-    x = torch.randn(vocab, generator=gen) * 0.01; x[5] = 8.0; x[5 + 8] = 8.0; add(x, 1e-4)  # tiny T, tie across chunks
-    x = torch.full((vocab,), -30.0); x[0] = 30.0; x[vocab - 1] = 29.0; add(x, 1.0)  # mass only at both ends
-    return torch.stack(rows), torch.tensor(temps, dtype=torch.float32)
+    """Adversarial rows: logits [num_cases, vocab] and their temperatures [num_cases]."""
+    cases = [(torch.randn(vocab, generator=gen) * 3, t) for t in (1.0, 0.6, 1e-4, 100.0, 1e4)]  # plain
+    no_mass, flat = torch.full((vocab,), NEG_INF), torch.zeros(vocab)
+    cases += [
+        (_with(no_mass, {vocab - 2: 0.5}), 1.0),                 # one finite
+        (_with(no_mass, {3: -1e30}), 0.7),                       # one finite, very negative
+        (_with(no_mass, {1: 2.0, vocab - 1: 2.0}), 1.0),         # two, far apart
+        (flat, 1.0),                                             # flat
+        (_with(flat, {vocab // 2: 60.0}), 1.0),                  # very peaked
+        (_with(torch.randn(vocab, generator=gen), dict.fromkeys(range(0, vocab, 3), NEG_INF)), 1.3),  # banned
+        (_with(torch.randn(vocab, generator=gen) * 0.01, {5: 8.0, 5 + 8: 8.0}), 1e-4),  # tiny T, tie across chunks
+        (_with(torch.full((vocab,), -30.0), {0: 30.0, vocab - 1: 29.0}), 1.0),  # mass only at both ends
+    ]
+    return torch.stack([row for row, _ in cases]), torch.tensor([t for _, t in cases], dtype=torch.float32)
 
 
 @needs_kernels
@@ -104,11 +114,12 @@ def test_greedy_edge_rows(sampling, vocab):
 @needs_kernels
 def test_nan_rows_give_valid_indices(sampling):
     vocab = 37
-    x = torch.randn(4, vocab)
+    x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
     x[0, 5] = float("nan")
     x[1, :] = float("nan")
     x[2, 30] = float("inf")
-    x[3, :] = float("nan"); x[3, 11] = 1.0
+    x[3, :] = float("nan")
+    x[3, 11] = 1.0
     for t in (0.0, 1.0):
         tokens = sampling.sample_rows(x.to(DEVICE), torch.full((4,), t, device=DEVICE),
                                       torch.arange(4, device=DEVICE)).cpu()
@@ -122,7 +133,7 @@ def test_huge_temperature_is_uniform_not_nan(sampling, temperature):
     banned tokens and the columns past the vocabulary must still never be drawn, and the
     draw stays spread over the others (a NaN mass would pin every draw to one token)."""
     vocab, n = 37, 48
-    logits = torch.randn(n, vocab) * 5
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0)) * 5
     logits[:, 4] = float("-inf")
     tokens = sampling.sample_rows(logits.to(DEVICE), torch.full((n,), temperature, device=DEVICE),
                                   torch.arange(n, device=DEVICE)).cpu()

@@ -40,7 +40,7 @@ def _draw(sampling, logits, temperature, seeds):
     n = logits.shape[0]
     temperature = torch.as_tensor(temperature, dtype=torch.float32).expand(n).contiguous()
     return sampling.sample_rows(logits.to(DEVICE), temperature.to(DEVICE),
-                                  torch.as_tensor(seeds, dtype=torch.int64).to(DEVICE)).cpu()
+                                torch.as_tensor(seeds, dtype=torch.int64).to(DEVICE)).cpu()
 
 
 @needs_kernels
