@@ -27,7 +27,7 @@ step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
 step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_sampling.py \
     tests/test_sampling_exact.py \
     tests/test_sampling.py tests/test_gpu_engine.py \
-    tests/test_multi_step.py
+    tests/test_multi_step.py tests/test_engine_heap.py
 step bench_offline "$PYTHON" benchmarks/bench_offline.py
 step bench_offline_1step "$PYTHON" benchmarks/bench_offline.py --num-scheduler-steps 1
 step bench_b1_attention "$PYTHON" benchmarks/bench_b1_attention.py --variants base

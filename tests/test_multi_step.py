@@ -8,9 +8,7 @@ with plain rounds and with async scheduling (Config.async_scheduling: each round
 launched before the host has seen the last step of the one before), which must
 give the same results and still admit newcomers and aborts between rounds.
 """
-import gc
 import random
-import weakref
 
 import pytest
 
@@ -247,35 +245,3 @@ def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, s
             checked += 1
     assert checked >= len(requests) // 2  # most requests ran to their end
 
-
-def test_engine_start_freezes_the_heap(tiny_model):
-    """What exists once an engine has started is out of the garbage collector's view (full
-    collections stay short while it runs); what it makes later is collected as usual."""
-    path, _ = tiny_model("qwen3")
-    gc.unfreeze()
-    llm = LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=128)
-    runner, frozen = llm.llm_engine.model_runner, gc.get_freeze_count()
-    assert frozen > 0
-    assert not any(obj is runner for obj in gc.get_objects())  # the collector's generations skip it
-    outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert gc.get_freeze_count() <= frozen  # nothing new frozen (frozen objects may be freed)
-    assert any(obj is outs for obj in gc.get_objects())
-
-
-class _Node:
-    """A weak-referenceable object for a reference cycle."""
-
-
-def test_a_later_engine_start_collects_what_an_earlier_one_froze():
-    """Cycles frozen alive at one engine's start and dropped since (a whole earlier engine,
-    say) are collected when the next engine starts, not only at exit."""
-    from nanovllm.engine.llm_engine import freeze_startup_heap
-    node = _Node()
-    node.cycle = node
-    alive = weakref.ref(node)
-    freeze_startup_heap()
-    del node
-    gc.collect()
-    assert alive() is not None  # frozen: the collector does not see the dropped cycle
-    freeze_startup_heap()
-    assert alive() is None
