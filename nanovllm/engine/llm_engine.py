@@ -162,8 +162,10 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
-        if bad is not None:
+        # checked at C speed (types, then min and max); the first bad id is looked up only on error
+        if (any(not issubclass(t, int) or issubclass(t, bool) for t in set(map(type, token_ids)))
+                or min(token_ids) < 0 or max(token_ids) >= vocab):
+            bad = next(t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab)
             raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
