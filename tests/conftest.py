@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models of each family, built once per pytest session."""
+"""Shared fixtures: tiny models of each family, built once per pytest session; the sampling
+kernels' module for their tests."""
 import os
 import sys
 
@@ -35,3 +36,14 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request):
     return request.param
+
+
+@pytest.fixture(params=["default-chunks", "tiny-chunks"])
+def sampling(request, monkeypatch):
+    """kernels/triton_sampling, as it is and with tiny chunks (a row then spans several
+    programs and loop iterations); for the sampling kernel tests."""
+    from nanovllm.kernels import triton_sampling
+    if request.param == "tiny-chunks":
+        monkeypatch.setattr(triton_sampling, "BLOCK", 4)
+        monkeypatch.setattr(triton_sampling, "MAX_CHUNK", 8)
+    return triton_sampling

@@ -5,12 +5,11 @@ boundary are skipped). Runs under Triton's interpreter without a GPU."""
 import pytest
 import torch
 
-from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 CHILD_TIMEOUT_S = 900
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NEG_INF = float("-inf")
-needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
 
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="the kernel runs in this process")
@@ -29,15 +28,6 @@ def _uniforms(seeds):
     out = torch.empty(len(seeds), dtype=torch.float32, device=DEVICE)
     k[(len(seeds),)](torch.as_tensor(seeds, dtype=torch.int64, device=DEVICE), out)
     return out.cpu().double()
-
-
-@pytest.fixture(params=["default-chunks", "tiny-chunks"])
-def sampling(request, monkeypatch):
-    from nanovllm.kernels import triton_sampling
-    if request.param == "tiny-chunks":
-        monkeypatch.setattr(triton_sampling, "BLOCK", 4)
-        monkeypatch.setattr(triton_sampling, "MAX_CHUNK", 8)
-    return triton_sampling
 
 
 def _with(row, values):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import fused_ops
-from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 CHILD_TIMEOUT_S = 300
@@ -22,7 +22,6 @@ def test_ops_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
 
 
 def _close(a, b, dtype):

@@ -7,7 +7,7 @@ tests also run with tiny chunks, so that a row spans several programs and loop i
 import pytest
 import torch
 
-from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 CHILD_TIMEOUT_S = 300
@@ -24,16 +24,6 @@ def test_sampling_kernel_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
-
-
-@pytest.fixture(params=["default-chunks", "tiny-chunks"])
-def sampling(request, monkeypatch):
-    from nanovllm.kernels import triton_sampling
-    if request.param == "tiny-chunks":
-        monkeypatch.setattr(triton_sampling, "BLOCK", 4)
-        monkeypatch.setattr(triton_sampling, "MAX_CHUNK", 8)
-    return triton_sampling
 
 
 def _draw(sampling, logits, temperature, seeds):

@@ -11,11 +11,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 RUN_HERE = HAS_TRITON and (torch.cuda.is_available() or INTERPRETED)
+# for a kernel test: skipped where it runs in the interpreter child instead
+needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
 SHOWN_STDOUT_CHARS, SHOWN_STDERR_CHARS = 8000, 2000  # of a failed child's report
 
 
