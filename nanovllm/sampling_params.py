@@ -21,6 +21,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 # OpenAI's bound on presence and frequency penalties, which vLLM enforces too.
 MAX_ABS_PENALTY = 2.0
+# OpenAI's bound on a logit_bias value (-100 bans a token, +100 all but forces it).
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -41,6 +43,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None         # top alternatives per generated token (+ the sampled one)
     prompt_logprobs: int | None = None  # the same for each prompt token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Filled by the engine: EOS ids that end this request (empty with ignore_eos).
@@ -54,6 +58,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop, "strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "token ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, "token ids")
         self._validate()
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
 
@@ -65,6 +71,7 @@ class SamplingParams:
         self._validate_lengths()
         self._validate_stops()
         self._validate_logprobs()
+        self._validate_token_constraints()
 
     def _validate_sampling(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -116,6 +123,28 @@ class SamplingParams:
                 _check_int(name, value, minimum=0)
                 if value > MAX_LOGPROBS:
                     raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value}")
+
+    def _validate_token_constraints(self) -> None:
+        """logit_bias and allowed_token_ids; the engine checks the ids against its vocabulary."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for token_id, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token_id, minimum=0)
+                if not -MAX_ABS_LOGIT_BIAS <= _check_number("logit_bias value", bias) <= MAX_ABS_LOGIT_BIAS:
+                    raise ValueError(f"logit_bias values must be in [-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}], "
+                                     f"got {bias!r} for token {token_id}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None: every token is allowed)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids entry", t, minimum=0)
+
+    @property
+    def named_token_ids(self) -> dict[str, list[int]]:
+        """The token ids the request names, by option, for the engine's vocabulary check."""
+        return {"stop_token_ids": self.stop_token_ids, "logit_bias": list(self.logit_bias or ()),
+                "allowed_token_ids": self.allowed_token_ids or []}
 
     # ---- derived values -------------------------------------------------------
 

@@ -62,6 +62,19 @@ def test_seeded_sampling_and_logprobs_equal_single_steps(engines, mode, top_p):
         assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_token_constraints_hold_through_rounds(engines, mode):
+    """logit_bias and allowed_token_ids are fixed per request: rounds apply them at every step."""
+    allowed = list(range(3, 40))
+    params = [SamplingParams(temperature=0.9, seed=50 + i, max_tokens=14, ignore_eos=True,
+                             allowed_token_ids=allowed if i % 2 else None, logit_bias={7: 4.0, 8: -100.0})
+              for i in range(len(PROMPTS))]
+    single, rounds = _run(engines["single"], params), _run(engines[mode], params)
+    assert [o.token_ids for o in rounds] == [o.token_ids for o in single]
+    assert all(8 not in o.token_ids for o in rounds)
+    assert all(set(o.token_ids) <= set(allowed) for o in rounds[1::2])
+
+
 def _seed_with_eos(engine, max_tokens: int) -> tuple[int, list]:
     """The first seed whose plain-step run draws an EOS (ids 1, 2 of the tiny vocabulary)
     for some prompt, and that run. Searched, not fixed: the GPU draws other numbers than

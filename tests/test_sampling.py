@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TopKLogitsWarper, TopPLogitsWarper)
+                                                    SequenceBiasLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper)
 
 from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.engine.sampling_metadata import SamplingMetadata
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from nanovllm.layers.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_penalties, apply_top_k,
+                                     apply_top_p)
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from tiny_models import random_prompts
 
@@ -48,6 +49,10 @@ def _seq(prompt, output=(), **params) -> Sequence:
     (dict(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(ignore_eos=1), "ignore_eos"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias token id"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias token id"), (dict(logit_bias={5: 100.5}), "logit_bias values"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias value"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids"), (dict(allowed_token_ids=5), "allowed_token_ids"),
 ])
 def test_out_of_range_values_raise_naming_them(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -212,6 +217,56 @@ def test_seeded_draws_change_with_position():
 
 # ---- engine level: logprobs against HF, seeds, n > 1 ------------------------------------
 
+def test_logit_bias_matches_hf_sequence_bias_per_row():
+    biases = [{3: 2.5, 7: -100.0}, {}, {0: -0.5, 49: 100.0}]
+    seqs = [_seq([1, 2], logit_bias=b or None) for b in biases]
+    logits = _logits(3)
+    metadata = SamplingMetadata.build(seqs, VOCAB, torch.device("cpu"))
+    ours = apply_logit_bias(logits, *metadata.logit_bias)
+    for row, bias in enumerate(biases):
+        ref = logits[row:row + 1].clone()
+        if bias:
+            ref = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(torch.tensor([[1, 2]]), ref)
+        torch.testing.assert_close(ours[row], ref[0])
+
+
+def test_allowed_tokens_bias_and_penalties_apply_in_vllms_order():
+    """allowed_token_ids masks first, logit_bias is added before the penalties (vLLM's order),
+    and raw logprobs stay those of the model's logits."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 9] = -1.0, 5.0
+    seq = _seq([4], temperature=0, logprobs=1, repetition_penalty=2.0, logit_bias={4: 3.0},
+               allowed_token_ids=[4, 6])
+    out = Sampler()(logits, SamplingMetadata.build([seq], VOCAB, torch.device("cpu")))
+    # token 9 (5.0) is not allowed; token 4, (-1 + 3) / 2 = 1.0, beats token 6's 0.0
+    assert out.token_ids.tolist() == [4]
+    torch.testing.assert_close(out.logprobs.logprobs[0, 0], torch.log_softmax(logits[0], -1)[4])
+    seq = _seq([4], temperature=0, repetition_penalty=2.0, logit_bias={4: 1.5}, allowed_token_ids=[4, 6])
+    # bias first: (-1 + 1.5) / 2 = 0.25 > 0 (token 6) -> 4; penalty first: -2 + 1.5 = -0.5 -> 6
+    assert Sampler()(logits, SamplingMetadata.build([seq], VOCAB, torch.device("cpu"))).token_ids.tolist() == [4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_frequencies_with_allowed_tokens_and_logit_bias(device):
+    """Draws follow softmax((logits + bias) / T) over the allowed tokens: the GPU's fused
+    sampling path too (no top-k/top-p/min-p)."""
+    vocab = 12
+    logits = _logits(1, vocab, seed=11)[0]
+    allowed, bias, temperature = [0, 2, 3, 5, 8, 11], {2: 1.5, 5: -1.0, 7: 50.0}, 0.8
+    z = logits.double().clone()
+    for t, b in bias.items():
+        z[t] += b
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[allowed] = torch.softmax(z[allowed] / temperature, -1)
+    params = SamplingParams(temperature=temperature, allowed_token_ids=allowed, logit_bias=bias)
+    seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
+    metadata = SamplingMetadata.build(seqs, vocab, torch.device(device))
+    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).to(device), metadata).token_ids.cpu()
+    freq = torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
+    assert (freq[expected == 0] == 0).all()  # token 7 (+50) is not allowed: never drawn
+    assert (freq - expected).abs().max().item() < FREQ_TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_model):
     path, hf = tiny_model("llama")
@@ -284,12 +339,29 @@ def test_n_samples_share_the_prompt_blocks(llama):
     assert bm.num_free_blocks == free_at_start
 
 
+def test_allowed_token_ids_greedy_is_the_argmax_over_them_of_hf_logits(llama):
+    llm, hf = llama
+    prompt, allowed = random_prompts([9], seed=12)[0], [5, 17, 40, 41, 300]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed,
+                            logit_bias={40: 0.5})
+    generated = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1].float()  # [10, vocab]
+        logits[:, 40] += 0.5
+    assert generated == [allowed[i] for i in logits[:, allowed].argmax(-1).tolist()]
+    assert len(set(generated)) > 1  # the choice moves between the allowed tokens
+
+
 def test_engine_rejects_bad_requests(llama):
     llm, _ = llama
     with pytest.raises(ValueError, match="n must be <= max_n"):
         llm.generate([[5, 6]], SamplingParams(n=65), use_tqdm=False)
-    with pytest.raises(ValueError, match="stop token id"):
+    with pytest.raises(ValueError, match="stop_token_ids: token id 10000 is outside"):
         llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10_000]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias: token id 10000 is outside"):
+        llm.generate([[5, 6]], SamplingParams(logit_bias={10_000: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 320 is outside"):
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[5, 320]), use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

@@ -238,6 +238,20 @@ def test_stop_string_and_stop_token(server, client):
     assert out.usage.completion_tokens <= k + 1 and text.startswith(choice.text)
 
 
+def test_logit_bias_and_allowed_token_ids(server, client):
+    """OpenAI's logit_bias (JSON keys are strings) and vLLM's allowed_token_ids steer greedy
+    decoding to the named tokens."""
+    base = dict(model=MODEL_NAME, prompt="In the beginning", max_tokens=6, temperature=0, logprobs=0)
+    forced = _tokenize(server, " banana")[:1]
+    out = client.completions.create(**base, logit_bias={str(forced[0]): 100}, extra_body={"ignore_eos": True})
+    assert [_tokenize(server, t) for t in out.choices[0].logprobs.tokens] == [forced] * 6
+    free = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    allowed = sorted({i for t in free[:2] for i in _tokenize(server, t)} | set(forced))
+    out = client.completions.create(**base, extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert all(_tokenize(server, t)[0] in allowed for t in out.choices[0].logprobs.tokens)
+    assert out.choices[0].logprobs.tokens[:2] == free[:2]  # the model's own picks stay allowed
+
+
 def _tokenize(server, text: str) -> list[int]:
     return httpx.post(f"{server.url}/tokenize", json={"prompt": text}, headers=AUTH).json()["tokens"]
 
@@ -279,7 +293,7 @@ BAD_COMPLETIONS = [   # (body, status, param)
     (b'{"prompt": "\xff\xfe"}', 400, None),                      # invalid UTF-8
     (b'{"prompt": "\\ud800"}', 400, "prompt"),                  # a lone surrogate
     (b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
-    ({"prompt": "hi", "tools": []}, 400, "tools"), ({"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"prompt": "hi", "tools": []}, 400, "tools"), ({"prompt": "hi", "response_format": {}}, 400, "response_format"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"), ({"prompt": "hi", "no_such_field": 1}, 400, "no_such_field"),
     ({}, 400, "prompt"), ({"prompt": ""}, 400, "prompt"), ({"prompt": []}, 400, "prompt"),
     ({"prompt": 5}, 400, "prompt"), ({"prompt": [-1, 5]}, 400, "prompt"), ({"prompt": [10 ** 9]}, 400, "prompt"),
@@ -303,6 +317,11 @@ BAD_COMPLETIONS = [   # (body, status, param)
     ({"prompt": "hi", "logprobs": True}, 400, "logprobs"), ({"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
     ({"prompt": "hi", "presence_penalty": -2.5}, 400, "presence_penalty"), ({"prompt": "hi", "model": 5}, 400, "model"),
     ({"prompt": "hi", "user": "someone"}, 400, "user"),
+    ({"prompt": "hi", "logit_bias": {"x": 5}}, 400, "logit_bias"), ({"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"), ({"prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias[5]"),
+    ({"prompt": "hi", "logit_bias": {str(10 ** 9): 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [10 ** 9]}, 400, "allowed_token_ids"),
 ]
 
 BAD_CHATS = [

@@ -176,9 +176,10 @@ class LLMEngine:
         if params.n > self.config.max_n:
             raise ValueError(f"n must be <= max_n ({self.config.max_n}), got {params.n}")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, named_ids in params.named_token_ids.items():
+            bad = next((t for t in named_ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init=True")
         room = self.max_model_len - len(token_ids)

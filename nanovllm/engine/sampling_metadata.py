@@ -52,6 +52,8 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None   # [num_seqs] float32
     presence_penalties: torch.Tensor | None = None    # [num_seqs] float32
     banned_tokens: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    allowed_tokens: torch.Tensor | None = None  # [num_seqs, vocab] bool: False = never sampled
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     max_num_logprobs: int | None = None        # largest `logprobs` of a row; None: no row wants them
 
     @classmethod
@@ -64,6 +66,8 @@ class SamplingMetadata:
         if any(p.has_penalties for p in params):
             metadata._add_penalties(seqs, vocab_size, device)
         metadata.banned_tokens = _banned_tokens(seqs, device)
+        metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
+        metadata.logit_bias = _logit_bias(seqs, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -76,7 +80,8 @@ class SamplingMetadata:
         return cls(all_greedy=False, all_random=False, temperature=full(0.5), is_greedy=full(False, torch.bool),
                    top_k=full(vocab_size - 1, torch.int64), max_top_k=vocab_size - 1, top_p=full(0.9),
                    min_p=full(0.01), output_counts=zeros, prompt_mask=zeros.bool(), repetition_penalties=full(1.1),
-                   frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS)
+                   frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS,
+                   allowed_tokens=zeros.bool().logical_not_())
 
     def _add_random(self, seqs: list[Sequence], greedy: list[bool], vocab_size: int,
                     device: torch.device) -> None:
@@ -154,6 +159,30 @@ def _banned_tokens(seqs: list[Sequence], device: torch.device) -> tuple[torch.Te
     if not rows:
         return None
     return _tensor(rows, torch.int64, device), _tensor(cols, torch.int64, device)
+
+
+def _allowed_tokens(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """allowed_token_ids: per row, the tokens it may sample (every token in rows without the option)."""
+    rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.allowed_token_ids is not None]
+    if not rows:
+        return None
+    allowed = torch.ones(len(seqs), vocab_size, dtype=torch.bool, device=device)  # [num_seqs, vocab]
+    allowed[_tensor(rows, torch.int64, device)] = False
+    ids = [seqs[row].sampling_params.allowed_token_ids for row in rows]
+    allowed[_tensor([row for row, row_ids in zip(rows, ids) for _ in row_ids], torch.int64, device),
+            _tensor([t for row_ids in ids for t in row_ids], torch.int64, device)] = True
+    return allowed
+
+
+def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """logit_bias: (rows, token ids, biases), one entry per biased token of a row."""
+    entries = [(row, token_id, bias) for row, seq in enumerate(seqs)
+               for token_id, bias in (seq.sampling_params.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, token_ids, biases = zip(*entries)
+    return (_tensor(rows, torch.int64, device), _tensor(token_ids, torch.int64, device),
+            _tensor(biases, torch.float32, device))
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

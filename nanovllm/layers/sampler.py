@@ -1,9 +1,9 @@
 """Sampler: turns the logits of a batch into next tokens, as batched tensor ops.
 
 Every transform is a small pure function over the whole batch, applied in vLLM's
-order: raw logprobs (kept for the `logprobs` option) -> banned tokens (min_tokens)
--> penalties -> [greedy argmax] -> temperature -> min_p -> top_k -> top_p ->
-random draw. Rows whose option is off get a neutral value (top_k = vocab,
+order: raw logprobs (kept for the `logprobs` option) -> allowed tokens -> banned
+tokens (min_tokens) -> logit bias -> penalties -> [greedy argmax] -> temperature ->
+min_p -> top_k -> top_p -> random draw. Rows whose option is off get a neutral value (top_k = vocab,
 top_p = 1, min_p = 0), so requests with different options share one batch; an
 option no row uses is skipped (its tensor is None), and an all-greedy batch is
 one argmax.
@@ -59,8 +59,12 @@ class Sampler(nn.Module):
         draw reads bf16 logits as they are.
         """
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits.float(), -1)
+        if metadata.allowed_tokens is not None:
+            logits = logits.float().masked_fill(~metadata.allowed_tokens, float("-inf"))
         if metadata.banned_tokens is not None:
             logits = apply_banned_tokens(logits.float(), *metadata.banned_tokens)
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits.float(), *metadata.logit_bias)
         if metadata.output_counts is not None:
             logits = apply_penalties(logits.float(), metadata)
         token_ids = self.sample(logits, metadata)
@@ -117,6 +121,14 @@ def apply_banned_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Te
     """Mask (rows[i], cols[i]) to -inf: stop tokens of sequences still below min_tokens."""
     logits = logits.clone()
     logits[rows, cols] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                     biases: torch.Tensor) -> torch.Tensor:
+    """Add biases[i] to logit (rows[i], cols[i]): the logit_bias option."""
+    logits = logits.clone()
+    logits.index_put_((rows, cols), biases, accumulate=True)
     return logits
 
 

@@ -4,7 +4,7 @@ Each `parse_*` function takes the decoded JSON object and returns a small
 dataclass, or raises a 400 `APIError` naming the field at fault. This module
 checks shapes and types; value ranges (top_p in (0, 1], ...) are checked once, by
 `SamplingParams`, whose ValueError the server passes on as a 400. A field the
-server does not support (`tools`, `response_format`, `logit_bias`, ...) is a 400
+server does not support (`tools`, `response_format`, ...) is a 400
 naming it: nothing a client sends is silently ignored. A JSON `null` means "the
 default", as in OpenAI's API.
 """
@@ -82,6 +82,16 @@ def check_stop(name: str, value: Any) -> list[str]:
     return [check_str(f"{name}[{i}]", v) for i, v in enumerate(check_list(name, value))]
 
 
+def check_logit_bias(name: str, value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token id (a JSON key, so a string) -> bias."""
+    bias = {}
+    for key, v in check_object(name, value).items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad_request(f"'{name}' keys must be token ids, got {_quote(key)}", name)
+        bias[int(key)] = check_number(f"{name}[{key}]", v)
+    return bias
+
+
 def check_logprobs_count(name: str, value: Any) -> int:
     value = check_int(name, value)
     if not 0 <= value <= MAX_LOGPROBS:
@@ -96,6 +106,7 @@ SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "repetition_penalty": check_number, "seed": check_int, "stop": check_stop,
     "stop_token_ids": check_int_list, "ignore_eos": check_bool, "min_tokens": check_int,
     "include_stop_str_in_output": check_bool, "skip_special_tokens": check_bool,
+    "logit_bias": check_logit_bias, "allowed_token_ids": check_int_list,
 }
 COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", *SAMPLING_FIELDS)
 COMPLETION_FIELDS = frozenset((*COMMON_FIELDS, "prompt", "echo", "logprobs"))

@@ -158,11 +158,9 @@ class OpenAIServing:
 
 def _param_of(message: str, request_id: str) -> str | None:
     """The request field an engine error names ("n must be <= max_n ..."), the prompt, or None."""
-    words = message.split(" ", 2)
-    if len(words) > 1 and words[1] == "must" and (words[0] in SAMPLING_FIELDS or words[0] == "max_tokens"):
-        return words[0]
-    if message.startswith("stop token id"):
-        return "stop_token_ids"
+    named = next((f for f in (*SAMPLING_FIELDS, "max_tokens") if message.startswith((f"{f} ", f"{f}:"))), None)
+    if named is not None:  # "n must be <= max_n ...", "stop_token_ids: token id 9 is outside ..."
+        return named
     if message.startswith(("prompt", "the prompt", "token id", "sequence of")):
         return "messages" if request_id.startswith("chatcmpl") else "prompt"
     return None
