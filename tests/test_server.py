@@ -320,6 +320,8 @@ BAD_COMPLETIONS = [   # (body, status, param)
     ({"prompt": "hi", "logit_bias": {"x": 5}}, 400, "logit_bias"), ({"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"), ({"prompt": "hi", "logit_bias": {"5": "up"}}, 400, "logit_bias[5]"),
     ({"prompt": "hi", "logit_bias": {str(10 ** 9): 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"), ({"prompt": "hi", "logit_bias": {"\u0661": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [10 ** 9]}, 400, "allowed_token_ids"),
 ]

@@ -84,12 +84,19 @@ def check_stop(name: str, value: Any) -> list[str]:
 
 def check_logit_bias(name: str, value: Any) -> dict[int, float]:
     """OpenAI's logit_bias: an object of token id (a JSON key, so a string) -> bias."""
-    bias = {}
-    for key, v in check_object(name, value).items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise bad_request(f"'{name}' keys must be token ids, got {_quote(key)}", name)
-        bias[int(key)] = check_number(f"{name}[{key}]", v)
-    return bias
+    return {_token_id_key(name, key): check_number(f"{name}[{key}]", v)
+            for key, v in check_object(name, value).items()}
+
+
+def _token_id_key(name: str, key: Any) -> int:
+    """A token id written as an object key: ASCII decimal digits ("42"). str.isdigit alone
+    also passes "²" (int() rejects it) and "١" (int() reads it as 1)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        try:
+            return int(key)
+        except ValueError:  # longer than Python's limit on int() of a string
+            pass
+    raise bad_request(f"'{name}' keys must be token ids, got {_quote(key)}", name)
 
 
 def check_logprobs_count(name: str, value: Any) -> int:
