@@ -246,6 +246,23 @@ def test_allowed_tokens_bias_and_penalties_apply_in_vllms_order():
     assert Sampler()(logits, SamplingMetadata.build([seq], VOCAB, torch.device("cpu"))).token_ids.tolist() == [4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_constraints_stay_in_their_rows(device, dtype):
+    """One batch mixing rows with and without allowed_token_ids / logit_bias, greedy and random
+    (on a GPU, random rows with no top-k/top-p/min-p take the fused path): each row gets only its
+    own options; duplicate allowed ids are harmless; a bias never revives an excluded token."""
+    logits = _logits(4, seed=5).to(dtype)
+    raw = logits.float()
+    seqs = [_seq([1], temperature=0, allowed_token_ids=[4, 4, 6], logit_bias={9: 100.0}),
+            _seq([1], temperature=0),
+            _seq([1], temperature=1.0, allowed_token_ids=[9]),
+            _seq([1], temperature=1.0, logit_bias={17: 100.0})]
+    metadata = SamplingMetadata.build(seqs, VOCAB, torch.device(device))
+    tokens = Sampler()(logits.to(device), metadata).token_ids.tolist()
+    assert tokens == [[4, 6][int(raw[0, 6] > raw[0, 4])], int(raw[1].argmax()), 9, 17]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampled_frequencies_with_allowed_tokens_and_logit_bias(device):
     """Draws follow softmax((logits + bias) / T) over the allowed tokens: the GPU's fused
