@@ -379,6 +379,15 @@ def test_engine_rejects_bad_requests(llama):
         llm.generate([[5, 6]], SamplingParams(logit_bias={10_000: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="allowed_token_ids: token id 320 is outside"):
         llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[5, 320]), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: every allowed token \(\[5, 9\]\) is EOS or a stop"):
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[9, 5], stop_token_ids=[5, 9], min_tokens=1),
+                     use_tqdm=False)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    with pytest.raises(ValueError, match="min_tokens=2 cannot be reached"):
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=eos, min_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate([[5, 6]], SamplingParams(stop=["x"]), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[5, 6]], SamplingParams(allowed_token_ids=eos, min_tokens=2, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    assert len(out) == 3 and set(out) <= set(eos)  # with ignore_eos, EOS does not end it: no conflict

@@ -324,6 +324,7 @@ BAD_COMPLETIONS = [   # (body, status, param)
     ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": [10 ** 9]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 1}, 400, "allowed_token_ids"),
 ]
 
 BAD_CHATS = [

@@ -180,6 +180,7 @@ class LLMEngine:
             bad = next((t for t in named_ids if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        self._check_min_tokens_reachable(params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init=True")
         room = self.max_model_len - len(token_ids)
@@ -190,6 +191,16 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + min_tokens ({params.min_tokens}) exceeds "
                              f"max_model_len ({self.max_model_len})")
         return replace(params, max_tokens=params.max_tokens or room)
+
+    def _check_min_tokens_reachable(self, params: SamplingParams) -> None:
+        """min_tokens bans the stop tokens; if they are all allowed_token_ids leaves, every logit
+        of the row would be -inf and the sampler would emit a token outside the allowed set."""
+        if params.min_tokens == 0 or params.allowed_token_ids is None:
+            return
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if stop_ids.issuperset(params.allowed_token_ids):
+            raise ValueError(f"allowed_token_ids: every allowed token ({sorted(set(params.allowed_token_ids))}) "
+                             f"is EOS or a stop token, so min_tokens={params.min_tokens} cannot be reached")
 
     def _sample_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """The params of sample `index` of a request: as vLLM, sample i of a seeded request uses seed + i."""
