@@ -3,10 +3,10 @@
 Every transform is a small pure function over the whole batch, applied in vLLM's
 order: raw logprobs (kept for the `logprobs` option) -> allowed tokens -> banned
 tokens (min_tokens) -> logit bias -> penalties -> [greedy argmax] -> temperature ->
-min_p -> top_k -> top_p -> random draw. Rows whose option is off get a neutral value (top_k = vocab,
-top_p = 1, min_p = 0), so requests with different options share one batch; an
-option no row uses is skipped (its tensor is None), and an all-greedy batch is
-one argmax.
+min_p -> top_k -> top_p -> random draw. Rows whose option is off get a neutral value
+(top_k = vocab, top_p = 1, min_p = 0, every token allowed), so requests with different
+options share one batch; an option no row uses is skipped (its tensor is None),
+and an all-greedy batch is one argmax.
 
 The random draw is the Gumbel-max trick in exponential form: argmax(p / E) with
 E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
@@ -60,7 +60,7 @@ class Sampler(nn.Module):
         """
         raw_logprobs = None if metadata.max_num_logprobs is None else torch.log_softmax(logits.float(), -1)
         if metadata.allowed_tokens is not None:
-            logits = logits.float().masked_fill(~metadata.allowed_tokens, float("-inf"))
+            logits = apply_allowed_tokens(logits.float(), metadata.allowed_tokens)
         if metadata.banned_tokens is not None:
             logits = apply_banned_tokens(logits.float(), *metadata.banned_tokens)
         if metadata.logit_bias is not None:
@@ -115,6 +115,11 @@ class Sampler(nn.Module):
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         return self._generators[device]
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """allowed: [num_seqs, vocab] bool -> logits with every token not allowed at -inf."""
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_banned_tokens(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
