@@ -60,6 +60,8 @@ class SamplingParams:
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "token ids")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids, "token ids")
+        if isinstance(self.logit_bias, dict):  # a copy, as the lists: the caller's later edits skip validation
+            self.logit_bias = dict(self.logit_bias)
         self._validate()
         self._all_stop_token_ids = frozenset(self.stop_token_ids)
 

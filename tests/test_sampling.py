@@ -38,6 +38,15 @@ def _seq(prompt, output=(), **params) -> Sequence:
 
 # ---- SamplingParams ------------------------------------------------------------
 
+def test_token_options_are_copied_at_construction():
+    """Validation holds only for what was validated: editing the caller's dict or list later
+    (an id past the vocabulary would be an out-of-bounds index in the sampler) changes nothing."""
+    bias, allowed = {3: 1.0}, [3, 4]
+    params = SamplingParams(logit_bias=bias, allowed_token_ids=allowed)
+    bias[10 ** 9], allowed[0] = 1e9, -1
+    assert params.logit_bias == {3: 1.0} and params.allowed_token_ids == [3, 4]
+
+
 @pytest.mark.parametrize("kwargs, name", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=float("inf")), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
