@@ -160,6 +160,15 @@ def _reference_probs(logits: torch.Tensor, temperature: float, min_p: float, top
     return final / final.sum()
 
 
+def _draw_frequencies(logits: torch.Tensor, params: SamplingParams, device: str) -> torch.Tensor:
+    """logits: [vocab] -> the frequency of each token over NUM_DRAWS rows drawn with `params`."""
+    vocab = logits.shape[0]
+    seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
+    metadata = SamplingMetadata.build(seqs, vocab, torch.device(device))
+    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).to(device), metadata).token_ids.cpu()
+    return torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opts", [
     dict(temperature=1.0, min_p=0.0, top_k=VOCAB, top_p=1.0),
@@ -173,10 +182,7 @@ def test_sampled_frequencies_match_the_filtered_softmax(opts, device):
     expected = _reference_probs(logits, **opts)
     params = SamplingParams(temperature=opts["temperature"], min_p=opts["min_p"],
                             top_k=opts["top_k"] if opts["top_k"] < vocab else 0, top_p=opts["top_p"])
-    seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
-    metadata = SamplingMetadata.build(seqs, vocab, torch.device(device))
-    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).to(device), metadata).token_ids.cpu()
-    freq = torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
+    freq = _draw_frequencies(logits, params, device)
     assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
     assert (freq - expected).abs().max().item() < FREQ_TOLERANCE
     assert (expected > 0).sum() >= 2  # a real distribution, not a forced choice
@@ -285,10 +291,7 @@ def test_sampled_frequencies_with_allowed_tokens_and_logit_bias(device):
     expected = torch.zeros(vocab, dtype=torch.float64)
     expected[allowed] = torch.softmax(z[allowed] / temperature, -1)
     params = SamplingParams(temperature=temperature, allowed_token_ids=allowed, logit_bias=bias)
-    seqs = [Sequence([1], params) for _ in range(NUM_DRAWS)]
-    metadata = SamplingMetadata.build(seqs, vocab, torch.device(device))
-    tokens = Sampler()(logits.expand(NUM_DRAWS, vocab).to(device), metadata).token_ids.cpu()
-    freq = torch.bincount(tokens, minlength=vocab).double() / NUM_DRAWS
+    freq = _draw_frequencies(logits, params, device)
     assert (freq[expected == 0] == 0).all()  # token 7 (+50) is not allowed: never drawn
     assert (freq - expected).abs().max().item() < FREQ_TOLERANCE
 
