@@ -170,8 +170,16 @@ class SamplingParams:
 
     def set_eos_token_ids(self, eos_token_ids) -> None:
         """Engine side: record the model's EOS ids (none when ignore_eos)."""
-        self._eos_token_ids = frozenset() if self.ignore_eos else frozenset(eos_token_ids)
-        self._all_stop_token_ids = self._eos_token_ids | frozenset(self.stop_token_ids)
+        self._eos_token_ids = self._stopping_eos(eos_token_ids)
+        self._all_stop_token_ids = self.stop_token_ids_with(eos_token_ids)
+
+    def stop_token_ids_with(self, eos_token_ids) -> frozenset[int]:
+        """The ids that would end this request given the model's EOS ids: what
+        `all_stop_token_ids` holds once the engine has called `set_eos_token_ids`."""
+        return self._stopping_eos(eos_token_ids) | frozenset(self.stop_token_ids)
+
+    def _stopping_eos(self, eos_token_ids) -> frozenset[int]:
+        return frozenset() if self.ignore_eos else frozenset(eos_token_ids)
 
 
 def _as_list(name: str, value, entries: str) -> list:

@@ -197,8 +197,7 @@ class LLMEngine:
         of the row would be -inf and the sampler would emit a token outside the allowed set."""
         if params.min_tokens == 0 or params.allowed_token_ids is None:
             return
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        if stop_ids.issuperset(params.allowed_token_ids):
+        if params.stop_token_ids_with(self.eos_token_ids).issuperset(params.allowed_token_ids):
             raise ValueError(f"allowed_token_ids: every allowed token ({sorted(set(params.allowed_token_ids))}) "
                              f"is EOS or a stop token, so min_tokens={params.min_tokens} cannot be reached")
 
