@@ -167,9 +167,9 @@ class StepTimer:
         for (_, end, before, *_), (start, _, after, num_seqs, late) in zip(self.gpu_events, self.gpu_events[1:]):
             gap = gaps.setdefault(f"{before} -> {after}, <={1 << (num_seqs - 1).bit_length()} seqs", [0, 0.0, 0])
             gap[0] += 1
-            gap[1] = round(gap[1] + end.elapsed_time(start), 3)
+            gap[1] += end.elapsed_time(start)
             gap[2] += late
-        return dict(sorted(gaps.items()))
+        return {key: [count, round(ms, 3), late] for key, (count, ms, late) in sorted(gaps.items())}
 
 
 class GCPauses:
@@ -187,15 +187,16 @@ class GCPauses:
         ms = (time.perf_counter() - self._start) * 1e3
         pause = self._pauses.setdefault(info["generation"], [0, 0.0, 0.0])
         pause[0] += 1
-        pause[1] = round(pause[1] + ms, 3)
-        pause[2] = round(max(pause[2], ms), 3)
+        pause[1] += ms
+        pause[2] = max(pause[2], ms)
 
     def stop(self) -> None:
         gc.callbacks.remove(self._callback)
 
     def summary(self) -> dict[str, list]:
         """{"gen<N>": [count, total ms, longest ms]}"""
-        return {f"gen{g}": v for g, v in sorted(self._pauses.items())}
+        return {f"gen{g}": [count, round(total, 3), round(longest, 3)]
+                for g, (count, total, longest) in sorted(self._pauses.items())}
 
 
 def host_alloc_count() -> int:
