@@ -8,6 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-/tmp/nanovllm-gpu-suite}"
 mkdir -p "$LOG_DIR"
+export OUT="$LOG_DIR"  # where steps that write logs of their own put them (pytest_shards.py)
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python3}"
@@ -22,11 +23,11 @@ step() {
     echo "=== $name: $((SECONDS - start)) s (suite so far: $SECONDS s)"
 }
 
-step test_triton_attn "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_attn.py
+# kernel tests (little GPU memory, mostly Triton compiling): in parallel shards
+step kernel_tests "$PYTHON" benchmarks/pytest_shards.py tests/test_triton_attn.py tests/test_triton_ops.py \
+    tests/test_triton_sampling.py tests/test_sampling_exact.py
 step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
-step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_triton_ops.py tests/test_triton_sampling.py \
-    tests/test_sampling_exact.py \
-    tests/test_sampling.py tests/test_gpu_engine.py \
+step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_gpu_engine.py \
     tests/test_multi_step.py tests/test_engine_heap.py
 step bench_offline "$PYTHON" benchmarks/bench_offline.py
 step bench_offline_1step "$PYTHON" benchmarks/bench_offline.py --num-scheduler-steps 1
