@@ -23,12 +23,12 @@ step() {
     echo "=== $name: $((SECONDS - start)) s (suite so far: $SECONDS s)"
 }
 
-# kernel tests (little GPU memory, mostly Triton compiling): in parallel shards
-step kernel_tests "$PYTHON" benchmarks/pytest_shards.py tests/test_triton_attn.py tests/test_triton_ops.py \
-    tests/test_triton_sampling.py tests/test_sampling_exact.py
+# every single-GPU test file, in parallel shards (mostly Triton compiling and graph capture,
+# on the host's cores); the tests marked exclusive_gpu run after them, alone
+step tests "$PYTHON" benchmarks/pytest_shards.py tests/test_triton_attn.py tests/test_triton_ops.py \
+    tests/test_triton_sampling.py tests/test_sampling_exact.py tests/test_sampling.py \
+    tests/test_gpu_engine.py tests/test_multi_step.py tests/test_engine_heap.py
 step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
-step test_gpu_engine "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_sampling.py tests/test_gpu_engine.py \
-    tests/test_multi_step.py tests/test_engine_heap.py
 step bench_offline "$PYTHON" benchmarks/bench_offline.py
 step bench_offline_1step "$PYTHON" benchmarks/bench_offline.py --num-scheduler-steps 1
 step bench_b1_attention "$PYTHON" benchmarks/bench_b1_attention.py --variants base

@@ -1,11 +1,13 @@
 """The engine on a CUDA GPU: HF parity, CUDA graphs and the scheduling modes (skips without a GPU).
 
+- The KV cache takes what `gpu_memory_utilization` leaves after the warm-up's peak.
 - fp32: greedy ids of tiny random models equal HF transformers' run on the same GPU.
 - bf16: teacher-forced logprobs as close to HF's fp32 ones as HF's own bf16 run is (within
   BF16_ERROR_RATIO), and near HF's bf16 ones on average (ids may part after a near-tie).
 - CUDA-graph replay gives the same ids as eager; prefix caching, chunked prefill and
   preemption give the same ids as the plain run.
 """
+import gc
 from dataclasses import replace
 
 import numpy as np
@@ -33,18 +35,22 @@ BF16_LOGPROB_FLOOR = -10.0
 BF16_ERROR_RATIO = 1.5
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]
 MAX_NUM_SEQS = 16  # CUDA graphs are captured for batch sizes up to this: few, so start-up stays short
+# A fixed cache (8 sequences of at most 64 + 129 + 32 tokens need 120 blocks of 16): engines
+# of other tests may run beside these (benchmarks/pytest_shards.py). Only the test of the sizing
+# itself (exclusive_gpu) sizes one from the free memory.
+KV_BLOCKS = 256
 GPU_MEMORY_UTILIZATION = 0.3  # a failed test's frame may keep its engine alive: leave room for others
+# What a tiny model's engine needs beside its KV cache (weights, the warm-up's peak, cuBLAS and
+# Triton workspaces): well under this.
+ENGINE_OVERHEAD_BYTES = 2 << 30
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def _generate(path, prompts, **kwargs):
-    """Greedy ids of `prompts`, and the engine's (prefix-hit tokens, preemptions).
-
-    The engine is dropped on return: each one sizes its KV cache from the free GPU memory.
-    """
+    """Greedy ids of `prompts`, and the engine's (prefix-hit tokens, preemptions)."""
     kwargs.setdefault("max_num_seqs", MAX_NUM_SEQS)
-    llm = LLM(path, skip_tokenizer_init=True, device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-              **kwargs)
+    kwargs.setdefault("num_kvcache_blocks", KV_BLOCKS)
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", **kwargs)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     engine = llm.llm_engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -55,6 +61,25 @@ def _generate(path, prompts, **kwargs):
 @pytest.fixture(scope="module")
 def prompts():
     return random_prompts(PROMPT_LENGTHS, seed=1)
+
+
+@pytest.mark.exclusive_gpu
+def test_kv_cache_takes_what_gpu_memory_utilization_leaves(tiny_model, prompts):
+    """Sized after the warm-up: the cache gets GPU_MEMORY_UTILIZATION of the device less what
+    is in use (by this process and any other) and the engine's own needs; and serves the
+    same ids as a fixed cache."""
+    path, _ = tiny_model("qwen3")
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    allowed = GPU_MEMORY_UTILIZATION * total - (total - free)
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
+              gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    caches = [m for m in llm.llm_engine.model_runner.model.modules() if hasattr(m, "k_cache")]
+    kv_bytes = sum(m.k_cache.nbytes + m.v_cache.nbytes for m in caches)
+    assert allowed - ENGINE_OVERHEAD_BYTES <= kv_bytes <= allowed, (kv_bytes, allowed)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == _generate(path, prompts, dtype="float32")[0]
 
 
 def test_fp32_greedy_matches_hf_on_gpu(tiny_model, family, prompts):
@@ -105,7 +130,7 @@ def test_bf16_teacher_forced_logprobs_close_to_hf(tiny_model, family, prompts):
     BF16_ERROR_RATIO), in the worst drawable entry and on average."""
     path, _ = tiny_model(family)
     llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", enforce_eager=True,
-              gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+              num_kvcache_blocks=KV_BLOCKS)
     hf_bf16, hf_fp32 = _hf_on_gpu(path, torch.bfloat16), _hf_on_gpu(path, torch.float32)
     for prompt in prompts:
         tokens = prompt + hf_greedy(hf_bf16, prompt, NEW_TOKENS)

@@ -158,6 +158,51 @@ def test_paged_attention(poisoned_kernels, gen, case, dtype):
                                msg=lambda m: f"{m}\nseed {gen.initial_seed()}")
 
 
+def _decodes(rnd, batch: int, max_ctx: int) -> list[tuple[int, int]]:
+    return [(rnd(1, max_ctx) - 1, 1) for _ in range(batch)]
+
+
+# Real shapes, on a GPU only (too slow for the interpreter): the anchor model's attention
+# (16 q / 8 kv heads, d128, block 16) at batch 256 and at 8k context, the other families'
+# head layouts, long prefills, chunks over long cached prefixes, and mixed steps.
+# name: (seqs from rnd(lo, hi), heads, kv heads, head_dim, block_size)
+LARGE_CASES = {
+    "decode_b1_ctx8k": (lambda rnd: [(8191, 1)], 16, 8, 128, 16),
+    "decode_b7_ctx3k_qpk4": (lambda rnd: _decodes(rnd, 7, 3000), 32, 8, 128, 16),
+    "decode_b256_ctx1k": (lambda rnd: [(1023, 1)] * 256, 16, 8, 128, 16),
+    "decode_b64_ctx8k": (lambda rnd: _decodes(rnd, 64, 8192), 16, 8, 128, 16),
+    "decode_qwen2_14q2kv_bs1": (lambda rnd: _decodes(rnd, 64, 700), 14, 2, 64, 1),
+    "decode_smollm_9q3kv_bs32": (lambda rnd: _decodes(rnd, 33, 2000), 9, 3, 64, 32),
+    "decode_hd80_bs256": (lambda rnd: _decodes(rnd, 16, 5000), 32, 8, 80, 256),
+    "prefill_4k": (lambda rnd: [(0, 4096)], 16, 8, 128, 16),
+    "prefill_8x1k": (lambda rnd: [(0, rnd(1, 1024)) for _ in range(8)], 16, 8, 128, 16),
+    "chunk_512_over_7k": (lambda rnd: [(7680, 512)], 16, 8, 128, 16),
+    "chunks_hd64_bs128": (lambda rnd: [(rnd(1, 3000), rnd(1, 600)) for _ in range(6)], 32, 8, 64, 128),
+    "mixed_hd96_bs32": (lambda rnd: [(0, 300), (rnd(1, 3000), 77), (rnd(1, 500), 1000)]
+                        + _decodes(rnd, 100, 4000), 12, 4, 96, 32),
+}
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="real shapes: too slow for the interpreter")
+@pytest.mark.parametrize("num_splits", [None, 5], ids=["own-splits", "splits5"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(LARGE_CASES))
+def test_paged_attention_real_shapes(poisoned_kernels, gen, case, dtype, num_splits):
+    make_seqs, num_heads, num_kv_heads, head_dim, block_size = LARGE_CASES[case]
+    seqs = make_seqs(lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+    batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    expected = _reference(batch, scale)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    out = torch.full_like(batch["q"], float("nan"))
+    poisoned_kernels.paged_attention(**batch, scale=scale, out=out, num_splits=num_splits,
+                                     max_seqlen_q=max(q for _, q in seqs), max_seqlen_k=max(c + q for c, q in seqs))
+    got = out.float().cpu()
+    assert not got.isnan().any(), f"NaN in output (unwritten or unmasked), seed {gen.initial_seed()}"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"{m}\nseed {gen.initial_seed()}")
+
+
 def test_paged_attention_allocates_output(kernels, gen):
     batch = _make_batch(gen, [(5, 3), (9, 1)], 2, 1, 32, 4, torch.float32)
     expected = _reference(batch, 0.25)
