@@ -14,7 +14,10 @@ Rules:
   shares wrong keys and values: not another block's tokens, nor the same tokens
   at another position or after another prefix;
 - a sequence's blocks are freed tail first, so the tail of a prefix is evicted
-  before its head.
+  before its head;
+- blocks never handed out yet are handed out first, in id order, and get their `Block`
+  record then: start-up costs nothing however large the cache (a tiny model on a large
+  GPU gets millions of blocks).
 """
 from array import array
 from collections import OrderedDict
@@ -53,8 +56,9 @@ class BlockManager:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_blocks = num_blocks
+        self.blocks: list[Block] = []  # blocks handed out at least once, by id; the rest are untouched
+        self._freed: OrderedDict[int, None] = OrderedDict()  # touched and free, least recently freed first
         self.hash_to_block_id: dict[int, int] = {}
         self._cache_ids = count()
         self.num_prefix_hit_tokens = 0    # prompt tokens served from the cache, ever
@@ -62,11 +66,17 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self._freed) + self._num_blocks - len(self.blocks)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """Every free block id, in the order they will be handed out (O(num_blocks): for
+        tests and inspection)."""
+        return list(range(len(self.blocks), self._num_blocks)) + list(self._freed)
 
     # ---- prefix cache -------------------------------------------------------
 
@@ -168,7 +178,7 @@ class BlockManager:
             assert block.ref_count > 0, f"double free of block {block_id}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+                self._freed[block_id] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
         seq.registered_parent = NO_PARENT
@@ -177,11 +187,16 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_block_ids[block_id]
+            del self._freed[block_id]
         block.ref_count += 1
 
     def _allocate_fresh(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+        if len(self.blocks) < self._num_blocks:  # an untouched block: nothing cached in it
+            block = Block(len(self.blocks))
+            self.blocks.append(block)
+            block.ref_count = 1
+            return block.block_id
+        block_id, _ = self._freed.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash != NO_HASH:  # evict the cached prefix it held
