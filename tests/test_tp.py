@@ -27,13 +27,14 @@ import torch.distributed as dist
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import TensorParallelError
 from nanovllm.distributed import shm_channel
+from nanovllm.distributed.rank_group import RankGroup
 from nanovllm.distributed.shm_channel import REATTACH, ShmChannel
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.models.registry import get_model_class
 from nanovllm.utils.loader import iter_safetensors, load_named_weights
 from nanovllm.utils.parallel import tensor_parallel
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
-from tp_checks import SHM_DIR, assert_gone
+from tp_checks import SHM_DIR, ShutdownRecorder, assert_gone
 
 TP = 2
 NEW_TOKENS = 32
@@ -287,6 +288,14 @@ def test_a_failure_at_start_up_leaves_nothing(tp_model, watchdog):
         LLM(path, tensor_parallel_size=TP, **{**ENGINE, "num_kvcache_blocks": 2})
     _assert_no_group_here()
     assert not {n for n in set(os.listdir(SHM_DIR)) - shm_before if n.startswith("psm_")}
+
+
+def test_every_rank_shuts_its_object_down_before_the_group_goes(tmp_path, watchdog):
+    """(On a GPU, CUDA graphs that captured NCCL collectives are dropped there first.)"""
+    group = RankGroup(TP, torch.device("cpu"), ShutdownRecorder, str(tmp_path))
+    group.shutdown()
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"0": "True", "1": "True"}
+    _assert_no_group_here()
 
 
 EXIT_SCRIPT = textwrap.dedent("""

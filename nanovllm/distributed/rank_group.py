@@ -16,7 +16,9 @@ when a peer's sockets close).
 
 Shut-down (`shutdown()`, garbage collection, or interpreter exit through a
 multiprocessing finalizer): an "exit" command, a bounded join, then terminate/kill for
-any straggler; the process group is destroyed and the segment unlinked. Workers
+any straggler; the process group is destroyed and the segment unlinked. Before it
+goes, every rank's object is shut down (`shutdown()`, where it has one), unless a
+failure stopped the group. Workers
 also leave on their own when rank 0's process disappears.
 """
 import multiprocessing as mp
@@ -71,7 +73,7 @@ class RankGroup:
             self._wait_replies("start-up")  # hello: every worker is about to join
             init_distributed(0, world_size, store.port, device)
             self._res.joined = True
-            self.driver = factory(*args, rank=0)
+            self.driver = self._res.driver = factory(*args, rank=0)
             self._wait_replies("start-up")  # ready: every worker built its object
         except BaseException as exc:
             self._raise_failure("start-up", exc)
@@ -187,6 +189,7 @@ class _Resources:
         self.joined = False    # rank 0 joined the process group
         self.graceful = True   # workers are idle and will obey "exit"
         self.saved_num_threads: int | None = None  # rank 0's torch thread count before the group
+        self.driver = None     # rank 0's object, shut down (if it has a shutdown) before the group
 
     def share_cpu_cores(self, device: torch.device) -> None:
         """On CPU every rank computes at once: give each its share of the cores (rank 0
@@ -204,6 +207,8 @@ class _Resources:
                 self.channel.send((EXIT, ()), lambda: None)
             except Exception:  # they are terminated below instead
                 self.graceful = False
+        if self.graceful:  # after a failure a peer may be gone: then nothing waits on the device
+            _shut_down(self.driver)
         timeout = EXIT_TIMEOUT_S if self.graceful else 0
         for process in self.processes:
             process.join(timeout)
@@ -259,6 +264,12 @@ def _worker_main(rank: int, world_size: int, port: int, device: torch.device, nu
     os._exit(code)  # all this process owns is released above; skip ~1 s of interpreter teardown
 
 
+def _shut_down(obj: Any) -> None:
+    """`obj.shutdown()` where it has one: before the process group goes (see ModelRunner.shutdown)."""
+    if hasattr(obj, "shutdown"):
+        obj.shutdown()
+
+
 def _report(conn, message: tuple) -> None:
     try:
         conn.send(message)
@@ -275,6 +286,7 @@ def _serve(runner: Any, channel: ShmChannel, conn) -> int:
             return 1
         method, args = command
         if method == EXIT:
+            _shut_down(runner)
             return 0
         target = channel if method == REATTACH else runner
         getattr(target, method)(*args)

@@ -178,7 +178,10 @@ class ModelRunner:
                                self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
 
     def shutdown(self) -> None:
-        """Nothing to stop on one rank (nanovllm/distributed stops a tensor-parallel group)."""
+        """Drop the CUDA graphs; later steps run eager. nanovllm/distributed calls this on
+        every rank before it destroys the process group: graphs that captured NCCL
+        collectives can make that hang while they are alive (pytorch/pytorch#115388)."""
+        self.graph_runner = None
 
     # ---- one step -------------------------------------------------------------
 
