@@ -28,7 +28,8 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def shutdown(self) -> None:
-        """Stop the engine's worker processes (tensor parallelism); also done at interpreter exit."""
+        """Release the engine (CUDA graphs, tensor-parallel workers); also done at interpreter
+        exit. Not for use afterwards."""
         self.llm_engine.shutdown()
 
     def __enter__(self) -> "LLM":

@@ -16,11 +16,11 @@ when a peer's sockets close).
 
 Shut-down (`shutdown()`, garbage collection, or interpreter exit through a
 multiprocessing finalizer): an "exit" command, a bounded join, then terminate/kill for
-any straggler; the process group is destroyed and the segment unlinked. Before it
-goes, every rank's object is shut down (`shutdown()`, where it has one), unless a
-failure stopped the group. Workers
-also leave on their own when rank 0's process disappears.
+any straggler; every rank's object is shut down (`shutdown()`, where it has one) before
+the process group is destroyed; the segment is unlinked. Workers also leave on their
+own when rank 0's process disappears.
 """
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 from nanovllm.distributed.shm_channel import REATTACH, ShmChannel
 from nanovllm.utils.parallel import STORE_HOST, destroy_distributed, init_distributed
+
+logger = logging.getLogger("nanovllm")
 
 EXIT = "_exit"
 OK = ("ok", None)
@@ -73,7 +75,7 @@ class RankGroup:
             self._wait_replies("start-up")  # hello: every worker is about to join
             init_distributed(0, world_size, store.port, device)
             self._res.joined = True
-            self.driver = self._res.driver = factory(*args, rank=0)
+            self._res.driver = factory(*args, rank=0)
             self._wait_replies("start-up")  # ready: every worker built its object
         except BaseException as exc:
             self._raise_failure("start-up", exc)
@@ -87,6 +89,11 @@ class RankGroup:
         child_end.close()  # so that the worker's death reads as end-of-file here
         self._res.processes.append(process)
         self._res.conns.append(parent_end)
+
+    @property
+    def driver(self) -> Any:
+        """Rank 0's object."""
+        return self._res.driver
 
     @property
     def pids(self) -> list[int]:
@@ -207,8 +214,7 @@ class _Resources:
                 self.channel.send((EXIT, ()), lambda: None)
             except Exception:  # they are terminated below instead
                 self.graceful = False
-        if self.graceful:  # after a failure a peer may be gone: then nothing waits on the device
-            _shut_down(self.driver)
+        _shut_down(self.driver)
         timeout = EXIT_TIMEOUT_S if self.graceful else 0
         for process in self.processes:
             process.join(timeout)
@@ -265,9 +271,14 @@ def _worker_main(rank: int, world_size: int, port: int, device: torch.device, nu
 
 
 def _shut_down(obj: Any) -> None:
-    """`obj.shutdown()` where it has one: before the process group goes (see ModelRunner.shutdown)."""
-    if hasattr(obj, "shutdown"):
+    """`obj.shutdown()` where it has one, before the process group goes (see
+    ModelRunner.shutdown). What it raises is logged: the group is stopped regardless."""
+    if not hasattr(obj, "shutdown"):
+        return
+    try:
         obj.shutdown()
+    except Exception:
+        logger.exception("shutting down a tensor-parallel rank's %s failed", type(obj).__name__)
 
 
 def _report(conn, message: tuple) -> None:

@@ -218,7 +218,9 @@ class LLMEngine:
                 self.scheduler.finish(seq_state.seq, "abort")
 
     def shutdown(self) -> None:
-        """Stop the model runner's worker processes (tensor parallelism); idempotent."""
+        """Release the model runner: its CUDA graphs, and its worker processes under tensor
+        parallelism; idempotent. Not for use afterwards (one GPU would run eager, a
+        tensor-parallel engine raises)."""
         self.model_runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
