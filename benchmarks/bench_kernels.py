@@ -5,7 +5,7 @@ In one run:
 2. prefill against torch's FlashAttention (`torch.nn.attention.varlen.varlen_attn`:
    no GQA and no paging there, so it gets contiguous K/V with repeated heads);
 3. decode as a fraction of the copy bandwidth (bytes of K/V read over kernel time).
-Correctness on these shapes and many others is tests/test_triton_attn.py's
+Correctness on shapes like these and many others is tests/test_triton_attn.py's
 (`test_paged_attention_real_shapes`, on a GPU).
 
 `--tune` first sweeps tile shapes, warps, pipeline stages and the split-KV target,

@@ -23,8 +23,7 @@ step() {
     echo "=== $name: $((SECONDS - start)) s (suite so far: $SECONDS s)"
 }
 
-# every single-GPU test file, in parallel shards (mostly Triton compiling and graph capture,
-# on the host's cores); the tests marked exclusive_gpu run after them, alone
+# every single-GPU test file, in parallel processes (see pytest_shards.py)
 step tests "$PYTHON" benchmarks/pytest_shards.py tests/test_triton_attn.py tests/test_triton_ops.py \
     tests/test_triton_sampling.py tests/test_sampling_exact.py tests/test_sampling.py \
     tests/test_gpu_engine.py tests/test_multi_step.py tests/test_engine_heap.py

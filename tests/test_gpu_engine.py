@@ -35,11 +35,10 @@ BF16_LOGPROB_FLOOR = -10.0
 BF16_ERROR_RATIO = 1.5
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]
 MAX_NUM_SEQS = 16  # CUDA graphs are captured for batch sizes up to this: few, so start-up stays short
-# A fixed cache (8 sequences of at most 64 + 129 + 32 tokens need 120 blocks of 16): engines
-# of other tests may run beside these (benchmarks/pytest_shards.py). Only the test of the sizing
-# itself (exclusive_gpu) sizes one from the free memory.
+# A fixed cache, so that these engines may run beside others (benchmarks/pytest_shards.py):
+# 8 sequences of at most 64 + 129 + 32 tokens need 120 blocks of 16.
 KV_BLOCKS = 256
-GPU_MEMORY_UTILIZATION = 0.3  # a failed test's frame may keep its engine alive: leave room for others
+GPU_MEMORY_UTILIZATION = 0.3  # for the test of the sizing: a fraction far from both ends
 # What a tiny model's engine needs beside its KV cache (weights, the warm-up's peak, cuBLAS and
 # Triton workspaces): well under this.
 ENGINE_OVERHEAD_BYTES = 2 << 30
