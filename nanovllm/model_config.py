@@ -3,8 +3,10 @@
 HF `config.json` files (old `rope_scaling` + `rope_theta`, or transformers 5's
 `rope_parameters`) and GGUF metadata are both turned into this one frozen
 dataclass, so the model code reads a single vocabulary. Fields the engine does
-not implement (sliding windows, MLP bias, unknown rope types, other activations)
-are rejected here with a clear error instead of giving silently wrong text.
+not implement (MLP bias, unknown rope types, other activations) are rejected here
+with a clear error instead of giving silently wrong text. A sliding attention
+window is taken as a limit on the context instead: up to the window, windowed and
+full attention are the same computation.
 """
 from dataclasses import dataclass
 
@@ -32,6 +34,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: str | None = None        # the checkpoint's dtype, e.g. "bfloat16"
+    sliding_window: int | None = None  # attention window of the layers that have one (None: none do)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -44,8 +47,15 @@ class ModelConfig:
 
         Linear and yarn scaling stretch the positions the model was trained on by `factor`
         (yarn from `original_max_position_embeddings`); llama3 configs already state the
-        extended length in max_position_embeddings.
+        extended length in max_position_embeddings. A sliding window caps it: only contexts
+        that fit in the window are computed exactly without one.
         """
+        limit = self.max_rope_positions
+        return limit if self.sliding_window is None else min(limit, self.sliding_window)
+
+    @property
+    def max_rope_positions(self) -> int:
+        """max_position_embeddings, extended by rope scaling."""
         scaling = self.rope_scaling or {}
         if scaling.get("rope_type") == "linear":
             return int(self.max_position_embeddings * scaling["factor"])
@@ -81,6 +91,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             bos_token_id=hf.get("bos_token_id"),
             dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            sliding_window=_sliding_window(hf),
         )
 
 
@@ -114,11 +125,30 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     return float(theta), {"rope_type": rope_type, **params}
 
 
+def _sliding_window(hf: dict) -> int | None:
+    """The window of the layers that attend through one, or None.
+
+    transformers 5 lists each layer's kind in `layer_types`; Qwen2/Qwen3 configs carry a
+    `sliding_window` that applies only with `use_sliding_window`; Mistral's applies alone.
+    """
+    window = hf.get("sliding_window")
+    if hf.get("layer_types"):
+        used = "sliding_attention" in hf["layer_types"]
+    elif "use_sliding_window" in hf:
+        used = bool(hf["use_sliding_window"])
+    else:
+        used = window is not None
+    if not used:
+        return None
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding window attention needs a positive sliding_window, got {window!r}")
+    return window
+
+
 def _reject_unsupported(hf: dict) -> None:
-    if hf.get("use_sliding_window") or (hf.get("sliding_window") and "use_sliding_window" not in hf):
-        raise ValueError(f"sliding window attention (sliding_window={hf.get('sliding_window')}) is not supported")
-    if any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise ValueError(f"layer_types other than full_attention are not supported: {set(hf['layer_types'])}")
+    if set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"}:
+        raise ValueError(f"layer_types other than full_attention and sliding_attention are not supported: "
+                         f"{set(hf['layer_types'])}")
     if hf.get("mlp_bias"):
         raise ValueError("mlp_bias=True is not supported")
     act = hf.get("hidden_act", "silu")

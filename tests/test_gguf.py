@@ -60,7 +60,16 @@ def test_dequantize_rejects_unsupported_type_and_wrong_size():
 
 # ---- tiny GGUF models of each family, written with gguf.GGUFWriter ----------------
 
-from tiny_models import TINY, build_tiny_model, hf_greedy, random_prompts  # noqa: E402
+from tiny_models import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
+
+# GGUF's own architectures (llama.cpp writes Mistral checkpoints as "llama" files)
+GGUF_FAMILIES = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(params=GGUF_FAMILIES)
+def family(request):
+    return request.param
+
 
 # HF name fragment -> llama.cpp name fragment (inverse of the loader's table, written out
 # here independently so a wrong entry there cannot hide)
@@ -233,13 +242,16 @@ def test_unsupported_quant_type_is_named(tmp_path):
         LLM(path)
 
 
-def _write_config_gguf(path: str, scaling: dict | None = None, rope_freqs: bool = False) -> None:
+def _write_config_gguf(path: str, scaling: dict | None = None, rope_freqs: bool = False,
+                       sliding_window: int | None = None) -> None:
     """A one-layer llama GGUF with hyperparameters (and optional rope scaling) but no weights."""
     w = gguf.GGUFWriter(path, "llama")
     for name, value in (("context_length", 4096), ("embedding_length", 64), ("block_count", 1),
                         ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)):
         getattr(w, f"add_{name}")(value)
     w.add_layer_norm_rms_eps(1e-5)
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
     if scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(scaling["type"]))
         w.add_rope_scaling_factor(scaling["factor"])
@@ -263,6 +275,16 @@ def test_rope_scaling_from_metadata(tmp_path, kind, expected):
     _write_config_gguf(path, {"type": kind, "factor": 4.0, "original": 1024})
     cfg = gguf_model_config(path)
     assert cfg.rope_scaling == expected and cfg.head_dim == 16 and cfg.max_position_embeddings == 4096
+
+
+def test_sliding_window_from_metadata_caps_the_context(tmp_path):
+    from nanovllm.utils.gguf_loader import gguf_model_config
+    windowed, plain = str(tmp_path / "mistral.gguf"), str(tmp_path / "plain.gguf")
+    _write_config_gguf(windowed, sliding_window=1024)
+    _write_config_gguf(plain)
+    cfg = gguf_model_config(windowed)
+    assert cfg.sliding_window == 1024 and cfg.max_model_len_limit == 1024
+    assert gguf_model_config(plain).max_model_len_limit == 4096
 
 
 def test_rope_freqs_tensor_is_a_clear_error(tmp_path):

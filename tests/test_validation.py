@@ -140,11 +140,10 @@ def test_kv_cache_just_big_enough(model_dir, tiny_model):
 # ---- model config fields the engine does not implement ------------------------------
 
 @pytest.mark.parametrize("updates,message", [
-    (dict(architectures=["MistralForCausalLM"]),
-     "'MistralForCausalLM' is not supported; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
-    (dict(sliding_window=4096), "sliding window attention .*4096.* not supported"),
-    (dict(use_sliding_window=True, sliding_window=128), "sliding window attention .*128.* not supported"),
-    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types .*sliding_attention"),
+    (dict(architectures=["GemmaForCausalLM"]), "'GemmaForCausalLM' is not supported; supported: "
+     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    (dict(use_sliding_window=True, sliding_window=None), "needs a positive sliding_window, got None"),
+    (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .*chunked_attention"),
     (dict(mlp_bias=True), "mlp_bias=True is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
@@ -169,6 +168,21 @@ def test_qwen2_sliding_window_field_without_use_sliding_window_is_accepted(tiny_
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS, max_model_len=64)
     out, = llm.generate([GOOD_PROMPT], GREEDY, use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(tiny_model("qwen2")[1], GOOD_PROMPT, GOOD_LEN)
+
+
+@pytest.mark.parametrize("updates", [dict(use_sliding_window=True, sliding_window=128, layer_types=None),
+                                     dict(layer_types=["sliding_attention", "full_attention"], sliding_window=128)])
+def test_a_sliding_window_limits_the_context_to_it(tiny_model, tmp_path, updates):
+    """Up to the window, windowed attention is full attention: the engine serves contexts that
+    fit in it (HF's ids) and refuses a longer max_model_len, naming the window."""
+    src, hf = tiny_model("qwen2")
+    path = copy_model(src, tmp_path, **updates)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS)
+    assert llm.llm_engine.max_model_len == 128
+    out, = llm.generate([GOOD_PROMPT], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(hf, GOOD_PROMPT, GOOD_LEN)
+    with pytest.raises(ValueError, match="max_model_len 129 is beyond this model's limit 128: .*sliding window 128"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS, max_model_len=129)
 
 
 def test_model_config_without_architectures():

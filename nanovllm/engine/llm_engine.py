@@ -69,13 +69,17 @@ class LLMEngine:
         freeze_startup_heap()
 
     def _max_model_len(self) -> int:
-        """Config.max_model_len, or the model's max_position_embeddings; never beyond what the model supports."""
-        limit = self.model_config.max_model_len_limit
+        """Config.max_model_len, or the model's max_position_embeddings; never beyond what the
+        model supports (its positions, with rope scaling; and its sliding window)."""
+        mc, limit = self.model_config, self.model_config.max_model_len_limit
         if self.config.max_model_len is not None and self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} is beyond this model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings} "
-                             f"(with rope scaling: {limit})")
-        return self.config.max_model_len or self.model_config.max_position_embeddings
+            window = "" if mc.sliding_window is None else (
+                f"; sliding window {mc.sliding_window}: sliding-window attention runs only on "
+                "contexts that fit in the window")
+            raise ValueError(f"max_model_len {self.config.max_model_len} is beyond this model's limit {limit}: "
+                             f"max_position_embeddings {mc.max_position_embeddings} (with rope scaling: "
+                             f"{mc.max_rope_positions}){window}")
+        return self.config.max_model_len or min(mc.max_position_embeddings, limit)
 
     def _num_scheduler_steps(self) -> int:
         steps, tp = self.config.num_scheduler_steps, self.config.tensor_parallel_size

@@ -209,6 +209,7 @@ def gguf_model_config(path: str) -> ModelConfig:
         eos_token_ids=_eos_ids(md),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         dtype=_file_dtype(header),
+        sliding_window=md.get(f"{arch}.attention.sliding_window"),  # llama.cpp's key, where a file has one
     )
 
 
