@@ -105,6 +105,10 @@ def _expected_shards(hf, rank: int) -> dict[str, torch.Tensor]:
     own = w["model.embed_tokens.weight"][rank * shard_rows:(rank + 1) * shard_rows]
     vocab[:len(own)] = own  # the rest is padding, zero
     a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    if a + "qkv_proj.weight" in w:  # Phi-3 stores [q; k; v] and [gate; up] fused
+        w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"] = \
+            w[a + "qkv_proj.weight"].split([heads * d, kv_heads * d, kv_heads * d])
+        w[m + "gate_proj.weight"], w[m + "up_proj.weight"] = w[m + "gate_up_proj.weight"].chunk(2)
     expected = {
         a + "qkv_proj.weight": torch.cat([w[a + "q_proj.weight"][q], w[a + "k_proj.weight"][kv],
                                           w[a + "v_proj.weight"][kv]]),

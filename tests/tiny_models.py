@@ -5,7 +5,7 @@ greedy continuation varies (at HF's default 0.02 a tiny model repeats one token)
 Both HF and nano-vLLM load the saved directory; HF's model is the reference.
 """
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.2)
@@ -26,6 +26,8 @@ FAMILIES = {
     # inside it), GQA 4:2, head_dim 32, untied
     "mistral": (MistralConfig, dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
                                     eos_token_id=1, sliding_window=512)),
+    # Phi-3: Llama's layers, q/k/v and gate/up fused in the checkpoint, GQA 4:2, untied
+    "phi3": (Phi3Config, dict(num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)),
 }
 
 

@@ -106,6 +106,11 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def split_checkpoint_tensor(self, name: str, tensor) -> list[tuple[str, object]]:
+        """The checkpoint tensors `name` stands for: itself here; a family that stores
+        several in one tensor returns the parts, under the names they have elsewhere."""
+        return [(name, tensor)]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 

@@ -1,8 +1,9 @@
 """Weight loading: HF safetensors directories, GGUF files, or dummy (random) weights.
 
 All formats end in `load_named_weights(model, named_tensors)`: checkpoint names
-are mapped onto the model's parameters (packed q/k/v and gate/up through the
-model's `packed_modules_mapping`), and each parameter's `weight_loader` copies in
+are mapped onto the model's parameters (fused tensors split by the model's
+`split_checkpoint_tensor`, packed q/k/v and gate/up through its
+`packed_modules_mapping`), and each parameter's `weight_loader` copies in
 this rank's shard. Safetensors tensors arrive as lazy slices, so a rank reads only
 its own rows.
 """
@@ -36,7 +37,7 @@ def load_named_weights(model: nn.Module, named_tensors: Iterable[tuple[str, obje
     params = dict(model.named_parameters())
     tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", None)
     loaded = set()
-    for name, tensor in named_tensors:
+    for name, tensor in (part for named in named_tensors for part in model.split_checkpoint_tensor(*named)):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
         param_name, shard_id = _map_name(model, name)
