@@ -209,12 +209,12 @@ class _Resources:
 
     def stop(self) -> None:
         """Workers gone (asked, else terminated, else killed), group destroyed, segment unlinked."""
+        _shut_down(self.driver)  # first: the workers destroy their side of the group on "exit"
         if self.graceful and all(p.is_alive() for p in self.processes):
             try:
                 self.channel.send((EXIT, ()), lambda: None)
             except Exception:  # they are terminated below instead
                 self.graceful = False
-        _shut_down(self.driver)
         timeout = EXIT_TIMEOUT_S if self.graceful else 0
         for process in self.processes:
             process.join(timeout)
