@@ -35,6 +35,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     dtype: str | None = None        # the checkpoint's dtype, e.g. "bfloat16"
     sliding_window: int | None = None  # attention window of the layers that have one (None: none do)
+    # Granite's scalars (1.0 / None elsewhere): input embeddings times embedding_multiplier,
+    # each attention and MLP output times residual_multiplier before its residual add,
+    # attention scores times attention_multiplier (None: 1/sqrt(head_dim)), logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -92,6 +99,10 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=hf.get("torch_dtype") or hf.get("dtype"),
             sliding_window=_sliding_window(hf),
+            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+            attention_multiplier=hf.get("attention_multiplier"),
+            logits_scaling=float(hf.get("logits_scaling", 1.0)),
         )
 
 

@@ -140,7 +140,7 @@ def test_kv_cache_just_big_enough(model_dir, tiny_model):
 # ---- model config fields the engine does not implement ------------------------------
 
 @pytest.mark.parametrize("updates,message", [
-    (dict(architectures=["GemmaForCausalLM"]), "'GemmaForCausalLM' is not supported; supported: "
+    (dict(architectures=["GemmaForCausalLM"]), "'GemmaForCausalLM' is not supported; supported: GraniteForCausalLM, "
      "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
     (dict(use_sliding_window=True, sliding_window=None), "needs a positive sliding_window, got None"),
     (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .*chunked_attention"),

@@ -5,7 +5,8 @@ greedy continuation varies (at HF's default 0.02 a tiny model repeats one token)
 Both HF and nano-vLLM load the saved directory; HF's model is the reference.
 """
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.2)
@@ -28,6 +29,10 @@ FAMILIES = {
                                     eos_token_id=1, sliding_window=512)),
     # Phi-3: Llama's layers, q/k/v and gate/up fused in the checkpoint, GQA 4:2, untied
     "phi3": (Phi3Config, dict(num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)),
+    # Granite: Llama's layers scaled by four scalars (none of them at its neutral value), tied
+    "granite": (GraniteConfig, dict(num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1,
+                                    embedding_multiplier=1.5, residual_multiplier=0.8, attention_multiplier=0.2,
+                                    logits_scaling=1.25)),
 }
 
 

@@ -1,8 +1,10 @@
-"""The decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families.
+"""The decoder-only transformer shared by the Llama, Mistral, Phi-3, Qwen2, Qwen3 and
+Granite families.
 
-The families differ only in flags that `ModelConfig` carries: bias on the q/k/v
-projections (Qwen2), RMSNorm on q and k per head (Qwen3), tied embeddings, and
-the RoPE scaling. Each family file names a subclass for the registry.
+The families differ only in what `ModelConfig` carries: bias on the q/k/v projections
+(Qwen2), RMSNorm on q and k per head (Qwen3), tied embeddings, the RoPE scaling, and
+Granite's four scalars; and in how a checkpoint names its tensors (Phi-3 fuses some).
+Each family file names a subclass for the registry.
 """
 import torch
 from torch import nn
@@ -27,7 +29,8 @@ class DecoderAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(d, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.attn = Attention(self.num_heads, d, d ** -0.5, self.num_kv_heads)
+        scale = d ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        self.attn = Attention(self.num_heads, d, scale, self.num_kv_heads)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -63,15 +66,20 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(self, positions, hidden, residual):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
+        hidden = self._scaled(self.self_attn(positions, hidden))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        """A branch's output as the residual add takes it (Granite scales it)."""
+        return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
 class DecoderModel(nn.Module):
@@ -80,9 +88,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, max_position) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = cfg.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -103,6 +114,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.model = DecoderModel(cfg, max_position)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.logits_scaling = cfg.logits_scaling
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -119,4 +131,7 @@ class DecoderForCausalLM(nn.Module):
         indices = get_context().logits_indices
         if indices is not None:
             hidden = hidden[indices]
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if logits is None or self.logits_scaling == 1.0:  # None: a tensor-parallel rank other than 0
+            return logits
+        return logits / self.logits_scaling

@@ -1,6 +1,7 @@
 """Model registry: HF `architectures` name -> model class."""
 from torch import nn
 
+from nanovllm.models.granite import GraniteForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.mistral import MistralForCausalLM
 from nanovllm.models.phi3 import Phi3ForCausalLM
@@ -8,6 +9,7 @@ from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "GraniteForCausalLM": GraniteForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
