@@ -63,7 +63,7 @@ def test_dequantize_rejects_unsupported_type_and_wrong_size():
 from tiny_models import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
 
 # GGUF's own architectures (llama.cpp writes Mistral checkpoints as "llama" files)
-GGUF_FAMILIES = ["llama", "qwen2", "qwen3"]
+GGUF_FAMILIES = ["llama", "phi3", "qwen2", "qwen3"]
 
 
 @pytest.fixture(params=GGUF_FAMILIES)
@@ -78,6 +78,7 @@ TO_GGUF = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused tensors
 }
 # 2-D weights cycle through the types gguf can quantize to (K-quants it cannot write)
 WRITE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")
@@ -118,6 +119,8 @@ def write_tiny_gguf(hf_model, family: str, path: str, quantize: bool) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_eos_token_id(1)
+    if cfg.pad_token_id is not None:
+        w.add_pad_token_id(cfg.pad_token_id)  # HF reads a Phi-3 file's padding id (its default is past this vocabulary)
     for i, (name, t) in enumerate(hf_model.state_dict().items()):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue

@@ -35,7 +35,8 @@ SUPPORTED_VERSIONS = (2, 3)       # v1 (32-bit counts) predates every file in us
 DEFAULT_ALIGNMENT = 32            # llama.cpp's default when general.alignment is absent
 HEADER_BYTES = 24                 # magic, version, tensor count, metadata count
 # GGUF architecture -> HF architecture name of our model registry
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 # scalar metadata value types: GGUFValueType id -> struct format
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
@@ -267,17 +268,21 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# where an architecture names its layer tensors otherwise: Phi-3 keeps q/k/v and gate/up fused
+# (its ffn_up is gate and up), as its HF checkpoints do
+ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str, path: str = "") -> str:
+def hf_name(gguf_name: str, path: str = "", arch: str = "llama") -> str:
     """llama.cpp's tensor name -> the HF checkpoint name, e.g. blk.3.attn_q.weight ->
     model.layers.3.self_attn.q_proj.weight."""
     if m := _LAYER_RE.fullmatch(gguf_name):
         layer, key, kind = m.groups()
-        if key in LAYER_NAMES:
-            return f"model.layers.{layer}.{LAYER_NAMES[key]}.{kind}"
+        names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}
+        if key in names:
+            return f"model.layers.{layer}.{names[key]}.{kind}"
     elif (m := _GLOBAL_RE.fullmatch(gguf_name)) and m.group(1) in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has no place in the supported models")
@@ -310,7 +315,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             key = info.name.split(".")[2] if info.name.startswith("blk.") else None
             if arch == "llama" and key in heads:
                 tensor = unpermute_qk(tensor, heads[key])
-            yield hf_name(info.name, path), tensor
+            yield hf_name(info.name, path, arch), tensor
 
 
 # ---- tokenizer -----------------------------------------------------------------
