@@ -101,7 +101,8 @@ class ModelConfig:
             sliding_window=_sliding_window(hf),
             embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
             residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-            attention_multiplier=hf.get("attention_multiplier"),
+            # Granite's default is 1.0 (transformers' GraniteConfig), not 1/sqrt(head_dim)
+            attention_multiplier=hf.get("attention_multiplier", 1.0 if arch == "GraniteForCausalLM" else None),
             logits_scaling=float(hf.get("logits_scaling", 1.0)),
         )
 

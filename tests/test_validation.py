@@ -190,6 +190,41 @@ def test_model_config_without_architectures():
     assert ModelConfig.from_hf(hf).architecture == "?"  # then the registry names the supported ones
 
 
+# The fields of published config.json files that decide how they are read (values as in
+# Phi-3-mini-4k-instruct's and Mistral-7B-v0.1's; Granite's shaped like granite-3.x's).
+PHI3_MINI_4K = dict(architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                    max_position_embeddings=4096, original_max_position_embeddings=4096, rope_scaling=None,
+                    rope_theta=10000.0, sliding_window=2047, rms_norm_eps=1e-5, eos_token_id=32000,
+                    pad_token_id=32000, attention_bias=False, hidden_act="silu", tie_word_embeddings=False)
+MISTRAL_7B_V01 = dict(architectures=["MistralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                      max_position_embeddings=32768, rope_theta=10000.0, sliding_window=4096,
+                      rms_norm_eps=1e-5, eos_token_id=2, hidden_act="silu", tie_word_embeddings=False)
+GRANITE_SHAPED = dict(architectures=["GraniteForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, vocab_size=49155,
+                      max_position_embeddings=131072, rope_theta=5e6, embedding_multiplier=12.0,
+                      residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=8.0,
+                      tie_word_embeddings=True, hidden_act="silu")
+
+
+@pytest.mark.parametrize("hf,expected", [
+    (PHI3_MINI_4K, dict(head_dim=96, sliding_window=2047, max_model_len_limit=2047, rope_scaling=None,
+                        eos_token_ids=(32000,), attention_multiplier=None)),
+    (MISTRAL_7B_V01, dict(head_dim=128, sliding_window=4096, max_model_len_limit=4096, num_key_value_heads=8)),
+    ({**MISTRAL_7B_V01, "sliding_window": None, "rope_theta": 1e6},  # v0.2 on: no window
+     dict(sliding_window=None, max_model_len_limit=32768, rope_theta=1e6)),
+    (GRANITE_SHAPED, dict(head_dim=64, embedding_multiplier=12.0, residual_multiplier=0.22,
+                          attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True,
+                          sliding_window=None)),
+    ({k: v for k, v in GRANITE_SHAPED.items() if k != "attention_multiplier"},  # transformers' default
+     dict(attention_multiplier=1.0)),
+], ids=["phi3-mini-4k", "mistral-7b-v0.1", "mistral-7b-v0.2", "granite", "granite-default-scale"])
+def test_published_config_shapes_are_read(hf, expected):
+    cfg = ModelConfig.from_hf(hf)
+    assert {name: getattr(cfg, name) for name in expected} == expected
+
+
 # ---- sampling settings ---------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,message", [
