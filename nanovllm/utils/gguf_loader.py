@@ -35,8 +35,10 @@ SUPPORTED_VERSIONS = (2, 3)       # v1 (32-bit counts) predates every file in us
 DEFAULT_ALIGNMENT = 32            # llama.cpp's default when general.alignment is absent
 HEADER_BYTES = 24                 # magic, version, tensor count, metadata count
 # GGUF architecture -> HF architecture name of our model registry
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"granite": "GraniteForCausalLM", "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# architectures whose Q/K rows llama.cpp's converter interleaves (see unpermute_qk)
+PERMUTED_QK = ("granite", "llama")
 # scalar metadata value types: GGUFValueType id -> struct format
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
@@ -211,6 +213,11 @@ def gguf_model_config(path: str) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         dtype=_file_dtype(header),
         sliding_window=md.get(f"{arch}.attention.sliding_window"),  # llama.cpp's key, where a file has one
+        # Granite's scalars (llama.cpp's names for them)
+        embedding_multiplier=float(md.get(f"{arch}.embedding_scale", 1.0)),
+        residual_multiplier=float(md.get(f"{arch}.residual_scale", 1.0)),
+        attention_multiplier=md.get(f"{arch}.attention.scale"),
+        logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
     )
 
 
@@ -313,7 +320,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             raw = torch.frombuffer(bytearray(buf[start:start + info.nbytes]), dtype=torch.uint8)
             tensor = dequantize(raw, info.type_name, info.shape)
             key = info.name.split(".")[2] if info.name.startswith("blk.") else None
-            if arch == "llama" and key in heads:
+            if arch in PERMUTED_QK and key in heads:
                 tensor = unpermute_qk(tensor, heads[key])
             yield hf_name(info.name, path, arch), tensor
 
