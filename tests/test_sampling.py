@@ -302,8 +302,10 @@ def llama(tiny_model):
     return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=64), hf
 
 
-def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(llama):
-    llm, hf = llama
+def test_logprobs_and_prompt_logprobs_match_hf_log_softmax(tiny_model, family):
+    """Every family: the sampled tokens' and the prompt's logprobs (two paths to the logits)."""
+    path, hf = tiny_model(family)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=64)
     prompt = random_prompts([21], seed=4)[0]
     k = 5
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=k, prompt_logprobs=k)

@@ -278,5 +278,5 @@ class ModelRunner:
             sampling_seqs = [seqs[i] for i in sampling]
             metadata = SamplingMetadata.build(sampling_seqs, self.model_config.vocab_size, logits.device)
             output.add_samples(sampling, sampling_seqs, self.sampler(logits, metadata))
-        output.prompt_logprobs = compute_prompt_logprobs(seqs, hidden, self.model.lm_head)
+        output.prompt_logprobs = compute_prompt_logprobs(seqs, hidden, self.model.logits)
         return output

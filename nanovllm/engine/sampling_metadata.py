@@ -220,7 +220,7 @@ def _to_lists(t: LogprobsTensors) -> list[TokenLogprobs]:
 
 
 def compute_prompt_logprobs(seqs: list[Sequence], hidden: torch.Tensor,
-                            lm_head) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+                            to_logits) -> dict[int, tuple[int, list[TokenLogprobs]]]:
     """Logprobs of the prompt tokens computed this step, for sequences that asked for them.
 
     hidden: [num_tokens, hidden_size], the step's flat batch (sequences in order,
@@ -237,7 +237,7 @@ def compute_prompt_logprobs(seqs: list[Sequence], hidden: torch.Tensor,
         offset += seq.num_scheduled_tokens
     if not rows:
         return {}
-    logits = lm_head(hidden[torch.tensor(rows, device=hidden.device)])  # [num_rows, vocab]
+    logits = to_logits(hidden[torch.tensor(rows, device=hidden.device)])  # [num_rows, vocab]
     if logits is None:  # a tensor-parallel rank other than 0
         return {}
     max_k = max(owner[3] for owner in owners)

@@ -131,7 +131,12 @@ class DecoderForCausalLM(nn.Module):
         indices = get_context().logits_indices
         if indices is not None:
             hidden = hidden[indices]
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [n, hidden] -> logits [n, vocab], for every row (sampling and prompt
+        logprobs alike); None on tensor-parallel ranks other than 0."""
         logits = self.lm_head(hidden)
-        if logits is None or self.logits_scaling == 1.0:  # None: a tensor-parallel rank other than 0
+        if logits is None or self.logits_scaling == 1.0:
             return logits
         return logits / self.logits_scaling
