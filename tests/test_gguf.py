@@ -271,7 +271,7 @@ def test_unsupported_quant_type_is_named(tmp_path):
         LLM(path)
 
 
-def _write_config_gguf(path: str, scaling: dict | None = None, rope_freqs: bool = False,
+def _write_config_gguf(path: str, scaling: dict | None = None, rope_tensors: tuple[str, ...] = (),
                        sliding_window: int | None = None) -> None:
     """A one-layer llama GGUF with hyperparameters (and optional rope scaling) but no weights."""
     w = gguf.GGUFWriter(path, "llama")
@@ -279,14 +279,14 @@ def _write_config_gguf(path: str, scaling: dict | None = None, rope_freqs: bool 
                         ("feed_forward_length", 128), ("head_count", 4), ("head_count_kv", 2)):
         getattr(w, f"add_{name}")(value)
     w.add_layer_norm_rms_eps(1e-5)
-    if sliding_window:
+    if sliding_window is not None:
         w.add_sliding_window(sliding_window)
     if scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(scaling["type"]))
         w.add_rope_scaling_factor(scaling["factor"])
         w.add_rope_scaling_orig_ctx_len(scaling["original"])
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+    for name in rope_tensors:  # per-frequency rope factors, as llama 3.1 and Phi-3 128k files have
+        w.add_tensor(name, np.ones(8, np.float32))
     w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -308,19 +308,29 @@ def test_rope_scaling_from_metadata(tmp_path, kind, expected):
 
 def test_sliding_window_from_metadata_caps_the_context(tmp_path):
     from nanovllm.utils.gguf_loader import gguf_model_config
-    windowed, plain = str(tmp_path / "mistral.gguf"), str(tmp_path / "plain.gguf")
+    windowed, plain, zero = (str(tmp_path / f"{name}.gguf") for name in ("mistral", "plain", "zero"))
     _write_config_gguf(windowed, sliding_window=1024)
     _write_config_gguf(plain)
+    _write_config_gguf(zero, sliding_window=0)  # llama.cpp's "no window" (Phi-4's phi3 files)
     cfg = gguf_model_config(windowed)
     assert cfg.sliding_window == 1024 and cfg.max_model_len_limit == 1024
     assert gguf_model_config(plain).max_model_len_limit == 4096
+    assert gguf_model_config(zero).sliding_window is None and gguf_model_config(zero).max_model_len_limit == 4096
 
 
 def test_rope_freqs_tensor_is_a_clear_error(tmp_path):
     from nanovllm.utils.gguf_loader import gguf_model_config
     path = str(tmp_path / "llama31.gguf")
-    _write_config_gguf(path, rope_freqs=True)
+    _write_config_gguf(path, rope_tensors=("rope_freqs.weight",))
     with pytest.raises(ValueError, match="rope_freqs"):
+        gguf_model_config(path)
+
+
+def test_longrope_factors_are_a_clear_error(tmp_path):
+    from nanovllm.utils.gguf_loader import gguf_model_config
+    path = str(tmp_path / "phi3-128k.gguf")
+    _write_config_gguf(path, rope_tensors=("rope_factors_long.weight", "rope_factors_short.weight"))
+    with pytest.raises(ValueError, match="longrope scaling .*not supported"):
         gguf_model_config(path)
 
 

@@ -2,11 +2,11 @@
 
 `ModelSource` calls three functions here for a `.gguf` path:
 
-- `gguf_model_config(path)`: a `ModelConfig` from the file's metadata (llama,
-  qwen2 and qwen3 architectures).
+- `gguf_model_config(path)`: a `ModelConfig` from the file's metadata (granite,
+  llama, phi3, qwen2 and qwen3 architectures).
 - `iter_gguf_weights(path)`: `(HF-style name, float32 tensor)` for every tensor,
   dequantized by `utils/dequant.py`, with llama.cpp's Q/K row permutation undone
-  for llama-family files.
+  for llama and granite files.
 - `gguf_tokenizer(path)`: an HF fast tokenizer built from the file's vocabulary,
   merges, special tokens and chat template (by transformers' GGUF converter, so it
   matches `AutoTokenizer.from_pretrained(dir, gguf_file=...)`).
@@ -178,7 +178,7 @@ def _type_name(type_id: int) -> str:
 # ---- hyperparameters -------------------------------------------------------------
 
 def gguf_model_config(path: str) -> ModelConfig:
-    """The normalized hyperparameters of a GGUF model (llama, qwen2, qwen3)."""
+    """The normalized hyperparameters of a GGUF model (one of ARCHITECTURES)."""
     header = read_gguf_header(path)
     md = header.metadata
     arch = _architecture(header)
@@ -212,13 +212,20 @@ def gguf_model_config(path: str) -> ModelConfig:
         eos_token_ids=_eos_ids(md),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         dtype=_file_dtype(header),
-        sliding_window=md.get(f"{arch}.attention.sliding_window"),  # llama.cpp's key, where a file has one
-        # Granite's scalars (llama.cpp's names for them)
-        embedding_multiplier=float(md.get(f"{arch}.embedding_scale", 1.0)),
-        residual_multiplier=float(md.get(f"{arch}.residual_scale", 1.0)),
-        attention_multiplier=md.get(f"{arch}.attention.scale"),
-        logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)),
+        # llama.cpp writes 0 for "no window" (phi3 files of Phi-4)
+        sliding_window=md.get(f"{arch}.attention.sliding_window") or None,
+        **_granite_scalars(md, arch),
     )
+
+
+def _granite_scalars(md: dict, arch: str) -> dict:
+    """ModelConfig's Granite fields from llama.cpp's keys; an attention scale of 0 or none
+    means 1/sqrt(head_dim) there, as None does here."""
+    return dict(embedding_multiplier=float(md.get(f"{arch}.embedding_scale", 1.0)),
+                residual_multiplier=float(md.get(f"{arch}.residual_scale", 1.0)),
+                attention_multiplier=float(md[f"{arch}.attention.scale"]) if md.get(f"{arch}.attention.scale")
+                else None,
+                logits_scaling=float(md.get(f"{arch}.logit_scale", 1.0)))
 
 
 def _architecture(header: GGUFHeader) -> str:
@@ -240,6 +247,9 @@ def _rope_scaling(header: GGUFHeader, arch: str) -> dict | None:
     if "rope_freqs.weight" in header.tensors:
         raise ValueError(f"{header.path}: per-frequency rope factors (tensor rope_freqs.weight, "
                          "llama 3.1-style rope scaling) are not supported in GGUF files")
+    if "rope_factors_long.weight" in header.tensors:
+        raise ValueError(f"{header.path}: longrope scaling (tensors rope_factors_long/short.weight, "
+                         "Phi-3 128k-style) is not supported")
     kind = md.get(f"{arch}.rope.scaling.type", "none")
     factor = md.get(f"{arch}.rope.scaling.factor")
     if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
@@ -282,7 +292,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str, path: str = "", arch: str = "llama") -> str:
+def hf_name(gguf_name: str, path: str, arch: str) -> str:
     """llama.cpp's tensor name -> the HF checkpoint name, e.g. blk.3.attn_q.weight ->
     model.layers.3.self_attn.q_proj.weight."""
     if m := _LAYER_RE.fullmatch(gguf_name):
