@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default max_position_embeddings for these families
+# transformers' defaults where a config leaves these out
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class ModelConfig:
         """Normalize an HF config.json dict (and generation_config.json, for EOS ids)."""
         arch = (hf.get("architectures") or ["?"])[0]
         _reject_unsupported(hf)
-        rope_theta, rope_scaling = _rope_settings(hf)
+        rope_theta, rope_scaling = _rope_settings(hf, arch)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         return cls(
@@ -98,12 +101,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             bos_token_id=hf.get("bos_token_id"),
             dtype=hf.get("torch_dtype") or hf.get("dtype"),
-            sliding_window=_sliding_window(hf),
-            embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
-            residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
-            # Granite's default is 1.0 (transformers' GraniteConfig), not 1/sqrt(head_dim)
-            attention_multiplier=hf.get("attention_multiplier", 1.0 if arch == "GraniteForCausalLM" else None),
-            logits_scaling=float(hf.get("logits_scaling", 1.0)),
+            sliding_window=_sliding_window(hf, arch),
+            **(_granite_scalars(hf) if arch == "GraniteForCausalLM" else {}),
         )
 
 
@@ -118,12 +117,23 @@ def _eos_ids(hf: dict, gen: dict) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _rope_settings(hf: dict) -> tuple[float, dict | None]:
+def _granite_scalars(hf: dict) -> dict:
+    """Granite's four scalars, with transformers' GraniteConfig defaults (its attention
+    scale defaults to 1.0, not 1/sqrt(head_dim))."""
+    return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+                logits_scaling=float(hf.get("logits_scaling", 1.0)))
+
+
+def _rope_settings(hf: dict, arch: str) -> tuple[float, dict | None]:
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling") or {}
     params = {**legacy, **params}
     theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # what transformers' Phi3Config reads both as
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
@@ -137,17 +147,23 @@ def _rope_settings(hf: dict) -> tuple[float, dict | None]:
     return float(theta), {"rope_type": rope_type, **params}
 
 
-def _sliding_window(hf: dict) -> int | None:
-    """The window of the layers that attend through one, or None.
+def _sliding_window(hf: dict, arch: str) -> int | None:
+    """The window of the layers that attend through one, or None, as transformers reads it.
 
+    Mistral's applies to every layer (4096 when the field is absent; null: none);
     transformers 5 lists each layer's kind in `layer_types`; Qwen2/Qwen3 configs carry a
-    `sliding_window` that applies only with `use_sliding_window`; Mistral's applies alone.
+    `sliding_window` that applies with `use_sliding_window`, to the layers from
+    `max_window_layers` on.
     """
     window = hf.get("sliding_window")
-    if hf.get("layer_types"):
+    if arch == "MistralForCausalLM":
+        window = hf.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+        used = window is not None
+    elif hf.get("layer_types"):
         used = "sliding_attention" in hf["layer_types"]
     elif "use_sliding_window" in hf:
-        used = bool(hf["use_sliding_window"])
+        first_sliding = hf.get("max_window_layers", QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
+        used = bool(hf["use_sliding_window"]) and first_sliding < hf["num_hidden_layers"]
     else:
         used = window is not None
     if not used:

@@ -142,7 +142,8 @@ def test_kv_cache_just_big_enough(model_dir, tiny_model):
 @pytest.mark.parametrize("updates,message", [
     (dict(architectures=["GemmaForCausalLM"]), "'GemmaForCausalLM' is not supported; supported: GraniteForCausalLM, "
      "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
-    (dict(use_sliding_window=True, sliding_window=None), "needs a positive sliding_window, got None"),
+    (dict(use_sliding_window=True, max_window_layers=0, sliding_window=None),
+     "needs a positive sliding_window, got None"),
     (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .*chunked_attention"),
     (dict(mlp_bias=True), "mlp_bias=True is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
@@ -150,6 +151,8 @@ def test_kv_cache_just_big_enough(model_dir, tiny_model):
      "rope type 'dynamic' is not supported .*supported: default, linear, llama3, yarn"),
     (dict(rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}),
      "rope type 'longrope' is not supported"),
+    (dict(architectures=["Phi3ForCausalLM"], rope_parameters=None, rope_scaling={"type": "yarn", "factor": 2.0}),
+     "rope type 'longrope' is not supported"),  # transformers' Phi3Config reads yarn as longrope
     (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
      "partial_rotary_factor 0.5 is not supported"),
     (dict(partial_rotary_factor=0.25), "partial_rotary_factor 0.25 is not supported"),
@@ -170,7 +173,8 @@ def test_qwen2_sliding_window_field_without_use_sliding_window_is_accepted(tiny_
     assert out.outputs[0].token_ids == hf_greedy(tiny_model("qwen2")[1], GOOD_PROMPT, GOOD_LEN)
 
 
-@pytest.mark.parametrize("updates", [dict(use_sliding_window=True, sliding_window=128, layer_types=None),
+@pytest.mark.parametrize("updates", [dict(use_sliding_window=True, sliding_window=128, layer_types=None,
+                                          max_window_layers=1),  # layer 1 (of 0, 1) slides
                                      dict(layer_types=["sliding_attention", "full_attention"], sliding_window=128)])
 def test_a_sliding_window_limits_the_context_to_it(tiny_model, tmp_path, updates):
     """Up to the window, windowed attention is full attention: the engine serves contexts that
@@ -183,6 +187,14 @@ def test_a_sliding_window_limits_the_context_to_it(tiny_model, tmp_path, updates
     assert out.outputs[0].token_ids == hf_greedy(hf, GOOD_PROMPT, GOOD_LEN)
     with pytest.raises(ValueError, match="max_model_len 129 is beyond this model's limit 128: .*sliding window 128"):
         LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=NUM_BLOCKS, max_model_len=129)
+
+
+def test_qwen2_window_of_no_layer_caps_nothing(tiny_model, tmp_path):
+    """use_sliding_window with max_window_layers at or past the last layer: no layer slides in HF."""
+    path = copy_model(tiny_model("qwen2")[0], tmp_path, use_sliding_window=True, sliding_window=128,
+                      layer_types=None, max_window_layers=2)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=2 * NUM_BLOCKS)
+    assert llm.llm_engine.max_model_len == 1024
 
 
 def test_model_config_without_architectures():
@@ -214,12 +226,15 @@ GRANITE_SHAPED = dict(architectures=["GraniteForCausalLM"], hidden_size=2048, in
     (MISTRAL_7B_V01, dict(head_dim=128, sliding_window=4096, max_model_len_limit=4096, num_key_value_heads=8)),
     ({**MISTRAL_7B_V01, "sliding_window": None, "rope_theta": 1e6},  # v0.2 on: no window
      dict(sliding_window=None, max_model_len_limit=32768, rope_theta=1e6)),
+    ({k: v for k, v in MISTRAL_7B_V01.items() if k != "sliding_window"},  # transformers' default
+     dict(sliding_window=4096)),
     (GRANITE_SHAPED, dict(head_dim=64, embedding_multiplier=12.0, residual_multiplier=0.22,
                           attention_multiplier=0.015625, logits_scaling=8.0, tie_word_embeddings=True,
                           sliding_window=None)),
     ({k: v for k, v in GRANITE_SHAPED.items() if k != "attention_multiplier"},  # transformers' default
      dict(attention_multiplier=1.0)),
-], ids=["phi3-mini-4k", "mistral-7b-v0.1", "mistral-7b-v0.2", "granite", "granite-default-scale"])
+], ids=["phi3-mini-4k", "mistral-7b-v0.1", "mistral-7b-v0.2", "mistral-default-window", "granite",
+        "granite-default-scale"])
 def test_published_config_shapes_are_read(hf, expected):
     cfg = ModelConfig.from_hf(hf)
     assert {name: getattr(cfg, name) for name in expected} == expected

@@ -1,6 +1,7 @@
 """Phi-3 (mini/medium, 4k context): Llama's layers; its checkpoints store q/k/v and
 gate/up fused, split here at load so that each part is sharded like Llama's. The 128k
-variants' longrope scaling is refused by ModelConfig."""
+variants' longrope scaling is refused (ModelConfig for HF configs, the GGUF loader for
+files)."""
 import torch
 
 from nanovllm.layers.linear import read_whole
@@ -22,6 +23,10 @@ class Phi3ForCausalLM(DecoderForCausalLM):
         for fused, parts in self.fused_parts.items():
             if f".{fused}." in name:
                 whole: torch.Tensor = read_whole(tensor)  # [sum of the parts' rows, in_features]
-                pieces = whole.split([rows for _, rows in parts])
+                sizes = [rows for _, rows in parts]
+                if whole.shape[0] != sum(sizes):
+                    raise ValueError(f"checkpoint tensor {name!r} has {whole.shape[0]} rows; this config's "
+                                     f"{' + '.join(part for part, _ in parts)} need {sum(sizes)}")
+                pieces = whole.split(sizes)
                 return [(name.replace(f".{fused}.", f".{part}."), piece) for (part, _), piece in zip(parts, pieces)]
         return [(name, tensor)]

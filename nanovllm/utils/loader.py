@@ -5,7 +5,7 @@ are mapped onto the model's parameters (fused tensors split by the model's
 `split_checkpoint_tensor`, packed q/k/v and gate/up through its
 `packed_modules_mapping`), and each parameter's `weight_loader` copies in
 this rank's shard. Safetensors tensors arrive as lazy slices, so a rank reads only
-its own rows.
+its own rows (of a fused tensor, the whole tensor: it is split before sharding).
 """
 import glob
 import os
