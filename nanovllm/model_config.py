@@ -61,6 +61,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # the checkpoint's `quantization_config` (config.json), read by layers/quantization
+    quantization_config: dict | None = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -129,6 +131,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=hf.get("torch_dtype") or hf.get("dtype"),
             sliding_window=_sliding_window(hf, arch),
+            quantization_config=hf.get("quantization_config"),
             **(_granite_scalars(hf) if arch == "GraniteForCausalLM" else {}),
             **(_moe_fields(hf, arch) if arch in MOE_ARCHITECTURES else {}),
         )

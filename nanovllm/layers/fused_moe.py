@@ -19,9 +19,10 @@ parallelism would give each rank a range of whole experts instead: the place for
 is `expert_start` / `num_local_experts` (all experts on every rank today), which the
 loader already honours.
 
-Quantized experts: the weights are created and applied by `moe_method`, today
-`UnquantizedFusedMoEMethod` (dense weights in the model's dtype); a quantized method
-would register its own tensors and scales there and apply them in its own kernel.
+Quantized experts: the weights are created and applied by the layer's `quant_method`, a
+`FusedMoEMethod` (layers/quantization): `UnquantizedFusedMoEMethod` (dense weights in the
+model's dtype) unless the engine's quantization config names one of its own
+(`get_moe_method`); a config without one refuses the model rather than load it dense.
 """
 import re
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear, read_shard, read_whole
+from nanovllm.layers.quantization import FusedMoEMethod, get_moe_method
 from nanovllm.model_config import ModelConfig
 from nanovllm.utils.parallel import all_reduce, divide, get_tp_rank, get_tp_size
 
@@ -61,20 +63,18 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return moe_torch.route(router_logits, top_k, renormalize)
 
 
-class UnquantizedFusedMoEMethod:
+class UnquantizedFusedMoEMethod(FusedMoEMethod):
     """Dense expert weights in the model's dtype, multiplied by the fused kernel (GPU) or
     the torch reference (CPU)."""
 
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
         """Registers `w13_weight` [E, 2 * I, H] and `w2_weight` [E, H, I] (I: this rank's share)."""
         for name, shape in (("w13_weight", (num_experts, 2 * intermediate_size, hidden_size)),
                             ("w2_weight", (num_experts, hidden_size, intermediate_size))):
-            param = nn.Parameter(torch.empty(shape), requires_grad=False)
+            param = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
             param.weight_loader = layer.weight_loader
             layer.register_parameter(name, param)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -94,13 +94,14 @@ class FusedMoE(nn.Module):
         self.intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")  # per rank
         # expert parallelism's place: this rank holds experts [expert_start, expert_start + num_local_experts)
         self.expert_start, self.num_local_experts = 0, num_experts
-        self.moe_method = UnquantizedFusedMoEMethod()
-        self.moe_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate_size)
+        self.quant_method = get_moe_method(self) or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate_size,
+                                         torch.get_default_dtype())
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, H], router_logits: [num_tokens, E] -> [num_tokens, H]"""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self.moe_method.apply(self, x, topk_weights, topk_ids)
+        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[str, int | None]) -> None:
