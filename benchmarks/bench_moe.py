@@ -6,8 +6,9 @@ Four parts, each printing JSON lines (all four by default; one call of the devic
 - `check`: the fused kernel (kernels/fused_moe.py) in bf16 against the torch path
   (kernels/moe_torch.py) at the real shapes, over random routings, experts that get no
   token and one expert that gets every token; the routing kernel against torch's.
-- `sweep`: every candidate tile config at 1 .. 8192 tokens (random routing), the fastest
-  per size: what TILE_CONFIGS in kernels/fused_moe.py is set from.
+- `sweep`: every candidate tile config at 1 .. 8192 tokens (random routing), timed in CUDA
+  graphs; the fastest per size become TILE_CONFIGS for the later parts (printed: the table
+  kernels/fused_moe.py holds was set from it).
 - `kernel`: the fused kernel alone (route + align + both GEMMs + sum) at batch 1, 16, 64
   and 256 against the bytes it must read: the distinct experts its tokens route to (counted
   from the routing), each 3 * H * I weights, plus the activations.
@@ -90,14 +91,19 @@ def check() -> None:
 # ---- sweep and kernel ------------------------------------------------------------------
 
 def time_ms(fn, reps: int = 20) -> float:
-    """Median of `reps` CUDA-event timings after two warm-ups."""
+    """GPU time of `fn`, captured in a CUDA graph as decode steps run it (no launch overhead):
+    the median of `reps` timed replays after two warm-up calls."""
     fn(), fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); fn(); end.record(); end.synchronize()
+        start.record(); graph.replay(); end.record(); end.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sorted(times[2:])[reps // 2]
 
 
 def must_read_bytes(num_tokens: int, ids: torch.Tensor) -> int:
@@ -107,19 +113,24 @@ def must_read_bytes(num_tokens: int, ids: torch.Tensor) -> int:
 
 
 def sweep() -> None:
+    """Time every candidate at each size; set TILE_CONFIGS to the fastest ones (the table the
+    later parts run with, printed so that kernels/fused_moe.py can hold it)."""
     x_all, w13, w2, logits = moe_inputs(max(SWEEP_TOKENS))
     weights, ids = fused_moe.route(logits, K, True)
+    table = []
     for n in SWEEP_TOKENS:
         results = []
         for cfg in CANDIDATES:
             ms = time_ms(lambda: fused_moe.fused_experts(x_all[:n], w13, w2, weights[:n], ids[:n], config=cfg))
             results.append((ms, cfg))
         best_ms, best = min(results, key=lambda r: r[0])
-        table_ms = next(ms for ms, cfg in results if cfg == fused_moe.tile_config(n)) \
-            if fused_moe.tile_config(n) in CANDIDATES else None
+        old = fused_moe.tile_config(n)
+        old_ms = next((ms for ms, cfg in results if cfg == old), None)
         emit({"part": "sweep", "tokens": n, "best_ms": round(best_ms, 4), "best": best.__dict__,
-              "table_config_ms": table_ms and round(table_ms, 4),
-              "all_ms": [round(ms, 4) for ms, _ in results]})
+              "old_table_ms": old_ms and round(old_ms, 4), "all_ms": [round(ms, 4) for ms, _ in results]})
+        table.append((n if n != SWEEP_TOKENS[-1] else 1 << 62, best))
+    fused_moe.TILE_CONFIGS = tuple(table)
+    emit({"part": "sweep", "table": [[bound, list(cfg.__dict__.values())] for bound, cfg in table]})
 
 
 def kernel(bandwidth: float) -> None:
@@ -132,12 +143,13 @@ def kernel(bandwidth: float) -> None:
             return fused_moe.fused_experts(x, w13, w2, w, i)
         ms = time_ms(step)
         _, ids = fused_moe.route(lg, K, True)
+        config = fused_moe.tile_config(n)
         distinct = ids.unique().numel()
         nbytes = must_read_bytes(n, ids)
         emit({"part": "kernel", "tokens": n, "ms": round(ms, 4), "distinct_experts": distinct,
               "expected_distinct": round(E * (1 - (1 - K / E) ** n), 1), "must_read_MB": round(nbytes / 1e6, 1),
               "achieved_TB_per_s": round(nbytes / ms / 1e9, 3),
-              "fraction_of_copy_bandwidth": round(nbytes / (ms / 1e3) / bandwidth, 3)})
+              "fraction_of_copy_bandwidth": round(nbytes / (ms / 1e3) / bandwidth, 3), "config": config.__dict__})
 
 
 # ---- B5 ----------------------------------------------------------------------------
@@ -149,7 +161,7 @@ def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
     h, L, e, k = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     attn = h * (q + 2 * kv) + q * h + 2 * h + 2 * cfg["head_dim"] + e * h  # + norms, q/k norms, router
-    dense = (L * attn + 2 * h * cfg["vocab_size"] + h) * dtype_bytes  # untied embedding and LM head
+    dense = (L * attn + h * cfg["vocab_size"] + h) * dtype_bytes  # + the LM head (embedding: a few rows)
     expert = 3 * h * cfg["moe_intermediate_size"] * dtype_bytes
     lengths = sorted(p.max_tokens for p in params)
     total, running = 0, len(lengths)

@@ -79,9 +79,10 @@ def test_every_tile_config_of_the_table(config_row):
 
 @needs_kernels
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_sorts_pairs_by_expert_in_padded_blocks(block_m):
+@pytest.mark.parametrize("num_tokens", [37, 700])  # 700: pairs and blocks over several of the kernel's chunks
+def test_align_sorts_pairs_by_expert_in_padded_blocks(block_m, num_tokens):
     from nanovllm.kernels import fused_moe
-    ids = _routing("some-experts-idle", 37, seed=6)
+    ids = _routing("some-experts-idle", num_tokens, seed=6)
     sorted_ids, expert_ids, num_padded = fused_moe.moe_align_block_size(ids, E, block_m)
     flat, pairs = ids.flatten().cpu(), ids.numel()
     used = sorted_ids[:int(num_padded)].cpu()
@@ -90,6 +91,7 @@ def test_align_sorts_pairs_by_expert_in_padded_blocks(block_m):
     for block, expert in zip(blocks, expert_ids.cpu()):
         real = block[block < pairs]
         assert (flat[real.long()] == expert).all()
+        assert real.tolist() == sorted(real.tolist())  # stable: an expert's pairs in pair order
     counts = torch.bincount(flat, minlength=E)
     assert int(num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
 

@@ -8,7 +8,8 @@ depend only on the number of tokens), so decode steps replay them inside CUDA gr
 2. `moe_align_block_size`: the token-expert pairs (pair p = token p // k, slot p % k)
    sorted by expert, each expert's run padded to a multiple of BLOCK_M with the sentinel
    P = num_tokens * k, so that every BLOCK_M rows of the sorted list belong to one expert
-   (`expert_ids` per block). A few torch ops on the device; no counts come to the host.
+   (`expert_ids` per block). One single-program kernel (a counting sort); no counts come
+   to the host.
 3. `_moe_gate_up_kernel`: one launch for all experts: each program multiplies BLOCK_M
    sorted pairs by a BLOCK_N slice of its expert's gate and up rows (w13 [E, 2I, H]) and
    writes silu(gate) * up ([P, I]): SiLU-and-mul fused, the [P, 2I] product never stored.
@@ -22,7 +23,8 @@ ceil(P / BLOCK_M) blocks.
 Variants (each a Triton compilation, all known at start-up): the tile configs of
 `TILE_CONFIGS` (a fixed table, picked by the number of tokens; tuned on an H200 for the
 Qwen3-30B-A3B shapes by benchmarks/bench_moe.py) for each of the two GEMM kernels, and
-the route kernel for the model's (num_experts, top_k, renormalize). The model's shapes
+the route kernel for the model's (num_experts, top_k, renormalize), the align kernel for
+each BLOCK_M of the table. The model's shapes
 (H, I, E, k) are the only other values kernels specialize on; the number of pairs and of
 padded rows vary at run time and are `do_not_specialize`.
 """
@@ -101,26 +103,54 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 # ---- 2. sort by expert, padded to blocks --------------------------------------------
 
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_experts,
+                      num_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count the pairs of each expert, lay the experts' padded runs end to end,
+    give each block of rows its expert, then write each pair at its expert's run start plus
+    its rank among that expert's pairs (stable: in pair order)."""
+    experts = tl.arange(0, BLOCK_E)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E]: where each expert's padded run ends
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, num_blocks, CHUNK):  # a block's expert: how many runs end at or before it
+        rows = (start + offs) * BLOCK_M
+        expert = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + start + offs, tl.minimum(expert, num_experts - 1), mask=start + offs < num_blocks)
+    next_row = ends - padded  # [BLOCK_E]: the next free row of each expert's run
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+        before = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same expert in this chunk
+        row = tl.sum(hit * (next_row[None, :] + before), axis=1)
+        tl.store(sorted_ids_ptr + row, start + offs, mask=start + offs < num_pairs)
+        next_row += tl.sum(hit, axis=0)
+
+
+ALIGN_CHUNK = 128  # pairs per loop iteration of the align kernel
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids: [num_tokens, k] -> (sorted_ids [max_padded] int32: pair indices by expert,
     each expert's run padded with the sentinel num_tokens * k to a multiple of block_m;
     expert_ids [max_padded / block_m] int32: the expert of each block of rows;
-    num_padded [1]: how many sorted rows are in use). max_padded depends on the shape only."""
-    flat = topk_ids.flatten().long()  # [P]
-    num_pairs, device = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)  # [E]: where each expert's padded run ends
-    sorted_experts, order = flat.sort(stable=True)
-    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
+    num_padded [1] int32: how many sorted rows are in use). max_padded depends on the shape only."""
+    num_pairs, device = topk_ids.numel(), topk_ids.device
     # at most min(P, E) experts are in use, each padded by at most block_m - 1 rows
-    max_padded = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m) * block_m
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids[(ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:]
+    num_blocks = -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
+                            num_blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                            CHUNK=ALIGN_CHUNK)
+    return sorted_ids, expert_ids, num_padded
 
 
 # ---- 3-4. grouped GEMMs ------------------------------------------------------------
@@ -141,7 +171,7 @@ def _block_coords(num_rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRO
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                         num_pairs, num_rows, inter, hidden, stride_xm, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, n] = silu(x[token] . gate_e[n]) * (x[token] . up_e[n]) for BLOCK_M sorted
     pairs of one expert e and BLOCK_N columns n of its intermediate dimension."""
     pid_m, pid_n = _block_coords(num_rows, inter, BLOCK_M, BLOCK_N, GROUP_M)
@@ -163,8 +193,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, n
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -176,7 +206,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, n
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _moe_down_kernel(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                      num_pairs, num_rows, hidden, inter, stride_hm, stride_we, stride_wn, stride_om,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     PRECISION: tl.constexpr):
     """out[pair, n] = weight[pair] * (h[pair] . down_e[n]) for BLOCK_M sorted pairs of one
     expert e and BLOCK_N of the hidden columns n."""
     pid_m, pid_n = _block_coords(num_rows, hidden, BLOCK_M, BLOCK_N, GROUP_M)
@@ -195,7 +226,7 @@ def _moe_down_kernel(h_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_ids_ptr, ex
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc = acc * tl.load(topk_weights_ptr + pairs, mask=row_ok, other=0.0)[:, None]
@@ -217,6 +248,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, cfg.block_m)
     num_rows = sorted_ids.numel()
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (num_rows // cfg.block_m * triton.cdiv(inter, cfg.block_n),)
