@@ -45,12 +45,14 @@ class TileConfig:
     num_stages: int
 
 
-# (largest number of tokens, config): the first row whose bound holds is used
+# (largest number of tokens, config): the first row whose bound holds is used. The fastest
+# of benchmarks/bench_moe.py's candidates on an H200 at 1, 16, 64 (row 1), 256, 1024 and
+# 4096, 8192 tokens (rows 2-4) of the Qwen3-30B-A3B shapes, timed in CUDA graphs (RESULTS.md, B5)
 TILE_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
-    (32, TileConfig(16, 64, 128, 1, 4, 4)),
-    (128, TileConfig(16, 128, 128, 1, 4, 3)),
-    (512, TileConfig(32, 128, 64, 8, 4, 4)),
-    (1 << 62, TileConfig(64, 128, 64, 8, 8, 4)),
+    (64, TileConfig(16, 32, 128, 1, 4, 4)),
+    (256, TileConfig(32, 64, 128, 8, 4, 4)),
+    (1024, TileConfig(64, 128, 64, 8, 4, 4)),
+    (1 << 62, TileConfig(128, 128, 64, 8, 8, 3)),
 )
 
 

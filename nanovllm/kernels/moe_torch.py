@@ -28,8 +28,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, H]; w13: [E, 2 * I, H]; w2: [E, H, I]; topk_weights/ids: [num_tokens, k]
-    -> [num_tokens, H] in x's dtype (each expert's output weighted in float32, as HF does)."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    -> [num_tokens, H] in x's dtype (each expert's output weighted in float32, as HF does;
+    float64 inputs, a test's exact reference, stay float64)."""
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=acc_dtype, device=x.device)
     flat_ids = topk_ids.flatten()  # [num_tokens * k]: pair p is token p // k, slot p % k
     order = flat_ids.argsort(stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
@@ -42,5 +44,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         tokens = pairs // topk_ids.shape[1]
         gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)  # [count, I] each
         y = F.linear(F.silu(gate) * up, w2[expert])  # [count, H]
-        out.index_add_(0, tokens, y.float() * topk_weights.flatten()[pairs, None])
+        out.index_add_(0, tokens, y.to(acc_dtype) * topk_weights.flatten()[pairs, None].to(acc_dtype))
     return out.to(x.dtype)
