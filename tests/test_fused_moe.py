@@ -47,8 +47,8 @@ def _routing(kind: str, num_tokens: int, seed=0) -> torch.Tensor:
 
 def _reference(x, w13, w2, weights, ids):
     """The torch path in float64 on the same (rounded) inputs: exact wherever it runs (on the
-    H200, cuBLAS's fp32 products of several rows came out at TF32 precision: the fp32
-    comparison against an fp32 reference failed at 37 tokens and passed at 1)."""
+    H200 the fp32 comparison against an fp32 reference failed at 37 tokens and passed at 1,
+    most likely because cuBLAS's fp32 products of several rows ran at TF32 precision)."""
     return moe_torch.fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
 
 
