@@ -122,3 +122,18 @@ def test_route_matches_the_torch_path(renormalize, num_experts, top_k):
     ref_weights, ref_ids = moe_torch.route(logits, top_k, renormalize)
     assert torch.equal(ids.long().cpu(), ref_ids.cpu())
     torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_compile_variants_runs_every_tile_config(monkeypatch):
+    from nanovllm.kernels import fused_moe
+    configs = [config for _, config in fused_moe.TILE_CONFIGS]
+    small_table = tuple(zip([2, 4, 6, 1 << 62], configs))  # the table's configs, at tiny token counts
+    monkeypatch.setattr(fused_moe, "TILE_CONFIGS", small_table)
+    assert fused_moe.variant_token_counts() == [2, 4, 6, 7]
+    used = []
+    real = fused_moe.tile_config
+    monkeypatch.setattr(fused_moe, "tile_config", lambda n: used.append(real(n)) or used[-1])
+    w13, w2 = _weights(torch.float32)
+    fused_moe.compile_variants(w13, w2, TOP_K, renormalize=True)
+    assert used == configs

@@ -75,6 +75,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.dtype)
         self.model = self._load_model(source)
+        self._compile_kernels()
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -104,6 +105,14 @@ class ModelRunner:
             use_column_major_weights(model)  # faster matrix-vector products (kernels/cpu_linear.py)
         Attention.backend = get_attention_backend(self.device.type)
         return model.eval()
+
+    def _compile_kernels(self) -> None:
+        """Kernel variants that the warm-up and graph capture may not reach (the MoE layers'
+        tile configs, chosen by token count) are compiled now, not during serving."""
+        if self.device.type == "cuda":
+            moe = next((m for m in self.model.modules() if hasattr(m, "compile_kernels")), None)
+            if moe is not None:  # every MoE layer of a model has the same shapes
+                moe.compile_kernels()
 
     def _kv_bytes_per_block(self) -> int:
         attn = self._attention_layers()[0]

@@ -20,7 +20,8 @@ Blocks past the padded total exit at once, so the grid can be sized from the num
 tokens alone. Experts no token chose cost nothing; an expert that gets every token runs
 ceil(P / BLOCK_M) blocks.
 
-Variants (each a Triton compilation, all known at start-up): the tile configs of
+Variants (each a Triton compilation, all known at start-up; `compile_variants` runs each
+once, as the engine's start does): the tile configs of
 `TILE_CONFIGS` (a fixed table, picked by the number of tokens; tuned on an H200 for the
 Qwen3-30B-A3B shapes by benchmarks/bench_moe.py) for each of the two GEMM kernels, and
 the route kernel for the model's (num_experts, top_k, renormalize), the align kernel for
@@ -58,6 +59,24 @@ TILE_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
 
 def tile_config(num_tokens: int) -> TileConfig:
     return next(config for bound, config in TILE_CONFIGS if num_tokens <= bound)
+
+
+def variant_token_counts() -> list[int]:
+    """One token count per row of TILE_CONFIGS (its upper bound; one past the previous
+    bound for the last row): running each compiles every variant the engine can launch."""
+    bounds = [bound for bound, _ in TILE_CONFIGS]
+    return bounds[:-1] + [bounds[-2] + 1 if len(bounds) > 1 else 1]
+
+
+def compile_variants(w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool) -> None:
+    """Run routing and the experts once per tile config on scratch inputs, so that every
+    Triton variant of this layer's shapes is compiled (or loaded from Triton's cache) now."""
+    hidden = w13.shape[2]
+    for num_tokens in variant_token_counts():
+        x = torch.zeros(num_tokens, hidden, dtype=w13.dtype, device=w13.device)
+        logits = torch.zeros(num_tokens, w13.shape[0], dtype=w13.dtype, device=w13.device)
+        weights, ids = route(logits, top_k, renormalize)
+        fused_experts(x, w13, w2, weights, ids)
 
 
 # ---- 1. routing --------------------------------------------------------------------

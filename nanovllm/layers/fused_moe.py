@@ -104,6 +104,13 @@ class FusedMoE(nn.Module):
         out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return all_reduce(out) if self.tp_size > 1 else out
 
+    def compile_kernels(self) -> None:
+        """On a GPU, compile every kernel variant this layer can launch (all layers share
+        their shapes, so the first call compiles and the others find them cached)."""
+        if self.w13_weight.is_cuda and isinstance(self.quant_method, UnquantizedFusedMoEMethod):
+            from nanovllm.kernels import fused_moe
+            fused_moe.compile_variants(self.w13_weight, self.w2_weight, self.top_k, self.renormalize)
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[str, int | None]) -> None:
         """Copy this rank's slice of checkpoint tensor `loaded` into `param`.
 
