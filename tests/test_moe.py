@@ -120,6 +120,13 @@ def test_hub_and_transformers5_layouts_pack_the_same_experts(tiny_model, family)
     assert torch.equal(from_hub["model.layers.0.mlp.experts.w13_weight"], gate_up)
 
 
+def test_a_missing_expert_tensor_is_named(tiny_model):
+    path, _ = tiny_model("mixtral")
+    weights = [(n, t) for n, t in iter_safetensors(path) if n != "model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    with pytest.raises(ValueError, match=r"missing weights of model\.layers\.1\.mlp\.experts: expert 2 up$"):
+        _load(path, weights)
+
+
 # ---- GGUF -----------------------------------------------------------------------------
 
 WRITE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")

@@ -94,6 +94,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = divide(intermediate_size, self.tp_size, "moe_intermediate_size")  # per rank
         # expert parallelism's place: this rank holds experts [expert_start, expert_start + num_local_experts)
         self.expert_start, self.num_local_experts = 0, num_experts
+        self.loaded_parts: set[tuple[str, int]] = set()  # (part, local expert) copied in so far
         self.quant_method = get_moe_method(self) or UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate_size,
                                          torch.get_default_dtype())
@@ -120,8 +121,20 @@ class FusedMoE(nn.Module):
         part, expert = shard_id
         if expert is None:
             self._load_all_experts(param, loaded, part)
+            local = range(self.num_local_experts)
         elif self.expert_start <= expert < self.expert_start + self.num_local_experts:
             self._load_part(param[expert - self.expert_start], loaded, part, dim_offset=0)
+            local = [expert - self.expert_start]
+        else:
+            return
+        parts = ("gate", "up") if part == "gate_up" else (part,)
+        self.loaded_parts.update((p, e) for p in parts for e in local)
+
+    def missing_parts(self) -> list[str]:
+        """The expert weights no checkpoint tensor has filled yet, e.g. 'expert 3 up'."""
+        expected = {(p, e) for p in ("gate", "up", "down") for e in range(self.num_local_experts)}
+        return [f"expert {self.expert_start + e} {p}" for p, e in sorted(expected - self.loaded_parts,
+                                                                         key=lambda pe: (pe[1], pe[0]))]
 
     def _load_all_experts(self, param: nn.Parameter, loaded, part: str) -> None:
         experts = read_shard(loaded, 0, self.expert_start, self.num_local_experts)

@@ -54,6 +54,10 @@ def load_named_weights(model: nn.Module, named_tensors: Iterable[tuple[str, obje
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for module_name, module in model.named_modules():  # packed experts: every expert's every part
+        if hasattr(module, "missing_parts") and (gaps := module.missing_parts()):
+            raise ValueError(f"checkpoint is missing weights of {module_name}: {', '.join(gaps[:5])}"
+                             + (f" and {len(gaps) - 5} more" if len(gaps) > 5 else ""))
 
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:
