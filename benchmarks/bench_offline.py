@@ -290,7 +290,7 @@ def main():
     print(f"start-up {load_s:.1f} s; first call: {tokens} tokens in {elapsed:.2f} s: {tokens / elapsed:.0f} tok/s"
           + (f" ({result['roofline_fraction']:.0%} of the memory roofline, {result['roofline_s']} s)"
              if "roofline_s" in result else ""))
-    print(f"later call on fresh prompts: {later_tok_per_s:.0f} tok/s (first / later {result['first_to_later']}); "
+    print(f"later call on fresh prompts: {result['later_tok_per_s']:.0f} tok/s (first / later {result['first_to_later']}); "
           f"kernel variants first met after start-up: {result['kernel_variants_after_startup']}")
     print(f"per step (first call): {result['ms_per_step']} ms wall; GPU {result['gpu_ms_per_step']} ms (forward launch to "
           f"sampled ids); host: prepare {result['prepare_ms_per_step']} ms, schedule + postprocess + outputs "

@@ -60,12 +60,13 @@ DECODE_NUM_STAGES = 3
 # "B1") took 1% less attention time than with 2 and 256, the values tuned on uniform
 # contexts (NOTES_kernels.md): with B1's mixed context lengths, splitting mid-size batches
 # in two evens out the programs' work.
-# MAX_SPLITS 128 (was 32): one long sequence alone (8 KV heads, 32k keys) splits in 64, not
-# 32, so its 512 programs fill the 132 multiprocessors about 4 times over (RESULTS.md
-# "GPU round 2"); the split count is a run-time argument, so any value costs no compile.
+# MAX_SPLITS: one 32k-token sequence alone (8 KV heads) took 1.20 ms of attention per decode
+# (28 layers) at 32 splits, 1.20 at 48, 1.40 at 64 and 1.45 at 128 on an H200
+# (bench_long_context.py, RESULTS.md "GPU round 2"): past 2 programs per multiprocessor the
+# shorter segments cost more than the fuller GPU gains.
 TARGET_PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 512
-MAX_SPLITS = 128
+MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
 COMBINE_SPLITS_BLOCK = 16  # splits the combine kernel reads at once
 
