@@ -8,12 +8,16 @@ otherwise (max_num_batched_tokens 8192: the prompt prefills in chunks). Measures
   against the floor its bytes allow: per step the weights and the whole K/V so far, over
   the copy bandwidth measured in the same run;
 - the attention kernel alone on that decode (28 layers' worth, CUDA-graph replays) at
-  several split-KV factors, so the split policy can be read off (`--splits`).
+  several split-KV factors, so the split policy can be read off (`--splits`);
+- with `--tile-sweep`, the attention kernel alone at other tile shapes (the module's tile
+  constants set for the measurement, then restored): the decode above, and the prefill of
+  the prompt's last 8192-token chunk over its 23,808 cached tokens, with its TFLOP/s.
 
-    python benchmarks/bench_long_context.py
+    python benchmarks/bench_long_context.py [--tile-sweep]
 """
 import argparse
 import json
+from contextlib import contextmanager
 import os
 import statistics
 import sys
@@ -66,10 +70,83 @@ def attention_split_sweep(cfg: dict, context: int, splits: list[int]) -> dict:
             "policy_splits": triton_attn._choose_num_splits(kvh, context, torch.device("cuda"))}
 
 
+# (BLOCK_N, num_warps, num_stages) of decode tiles; (BLOCK_M, BLOCK_N, num_warps, num_stages) of prefill
+DECODE_TILES = [(128, 4, 3), (128, 4, 2), (64, 4, 3), (64, 4, 2), (128, 8, 3), (256, 8, 2)]
+PREFILL_TILES = [(128, 32, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                 (128, 128, 8, 3), (256, 64, 8, 3)]
+PREFILL_CHUNK = 8192
+
+
+@contextmanager
+def tile_constants(module, **values):
+    """The module's tile constants set to `values` inside the block."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def _paged_inputs(cfg: dict, cached: int, queries: int):
+    h, kvh, d, bs = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 16
+    context = cached + queries
+    blocks = -(-context // bs)
+    k = torch.randn(blocks, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
+    return dict(q=torch.randn(queries, h, d, device="cuda", dtype=torch.bfloat16), k_cache=k,
+                v_cache=torch.randn_like(k), cu_seqlens_q=torch.tensor([0, queries], dtype=torch.int32, device="cuda"),
+                seq_lens_k=torch.tensor([context], dtype=torch.int32, device="cuda"),
+                block_tables=torch.randperm(blocks, device="cuda", dtype=torch.int32).view(1, -1),
+                scale=d ** -0.5, max_seqlen_q=queries, max_seqlen_k=context)
+
+
+def tile_sweep(cfg: dict, context: int) -> dict:
+    """ms of the decode (all layers) and of one prefill chunk (all layers) per tile shape."""
+    import triton
+    from nanovllm.kernels import triton_attn
+    L = cfg["num_hidden_layers"]
+    decode = _paged_inputs(cfg, context - 1, 1)
+    out = {"decode_ms_by_tile": {}, "prefill_ms_by_tile": {}, "prefill_tflops_by_tile": {}}
+    for block_n, warps, stages in DECODE_TILES:
+        name = f"n{block_n}_w{warps}_s{stages}"
+        try:
+            with tile_constants(triton_attn, DECODE_BLOCK_N=block_n, DECODE_NUM_WARPS=warps,
+                                DECODE_NUM_STAGES=stages):
+                fn = lambda: triton_attn.paged_attention(**decode)  # noqa: E731
+                fn()
+                ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        except Exception as e:  # a shape this GPU cannot compile (shared memory): named, not fatal
+            out["decode_ms_by_tile"][name] = f"failed: {type(e).__name__}"
+            continue
+        out["decode_ms_by_tile"][name] = round(L * ms, 3)
+    cached = PROMPT_LEN - PREFILL_CHUNK
+    prefill = _paged_inputs(cfg, cached, PREFILL_CHUNK)
+    # causal: query i of the chunk sees cached + i + 1 keys
+    flops = 4 * cfg["num_attention_heads"] * cfg["head_dim"] * (PREFILL_CHUNK * cached
+                                                                 + PREFILL_CHUNK * (PREFILL_CHUNK + 1) // 2)
+    for block_m, block_n, warps, stages in PREFILL_TILES:
+        name = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+        try:
+            with tile_constants(triton_attn, PREFILL_BLOCK_M=block_m, PREFILL_BLOCK_N=block_n,
+                                PREFILL_NUM_WARPS=warps, PREFILL_NUM_STAGES=stages):
+                fn = lambda: triton_attn.paged_attention(**prefill)  # noqa: E731
+                fn()
+                ms = triton.testing.do_bench(fn, rep=200, return_mode="median")
+        except Exception as e:  # a shape this GPU cannot compile (shared memory): named, not fatal
+            out["prefill_ms_by_tile"][name] = f"failed: {type(e).__name__}"
+            continue
+        out["prefill_ms_by_tile"][name] = round(L * ms, 3)
+        out["prefill_tflops_by_tile"][name] = round(flops / (ms * 1e-3) / 1e12, 1)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--splits", default="32,48,64,96,128,0", help="split factors of the kernel sweep (0: policy)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--tile-sweep", action="store_true", help="also time the attention kernel at other tile shapes")
     args = ap.parse_args()
     cfg = QWEN3_0_6B
     t0 = time.perf_counter()
@@ -89,18 +166,22 @@ def main():
         decode_s = time.perf_counter() - start - statistics.median(ttfts)
     floor_s = decode_floor_s(cfg, PROMPT_LEN, DECODE_TOKENS, copy_bandwidth())
     result = {"bench": "long_context", "prompt_len": PROMPT_LEN, "load_s": round(load_s, 2),
+              "max_num_batched_tokens": llm.llm_engine.config.max_num_batched_tokens,
               "ttft_s": [round(t, 3) for t in ttfts], "ttft_median_s": round(statistics.median(ttfts), 3),
               "decode_tok_per_s": round(DECODE_TOKENS / decode_s, 1),
               "decode_floor_tok_per_s": round(DECODE_TOKENS / floor_s, 1),
               "decode_floor_fraction": round(floor_s / decode_s, 3),
               "kernel_variants_after_startup": variants.names if variants.available else None}
-    del llm
-    torch.cuda.empty_cache()
-    result.update(attention_split_sweep(cfg, PROMPT_LEN + DECODE_TOKENS // 2,
-                                        [int(s) for s in args.splits.split(",")]))
     print(f"32k prompt: TTFT median {result['ttft_median_s']} s; decode {result['decode_tok_per_s']} tok/s "
           f"({result['decode_floor_fraction']:.0%} of the {result['decode_floor_tok_per_s']} tok/s floor)")
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    del llm
+    torch.cuda.empty_cache()
+    context = PROMPT_LEN + DECODE_TOKENS // 2
+    if args.splits:
+        print(json.dumps(attention_split_sweep(cfg, context, [int(s) for s in args.splits.split(",")])), flush=True)
+    if args.tile_sweep:
+        print(json.dumps(tile_sweep(cfg, context)), flush=True)
 
 
 if __name__ == "__main__":
