@@ -28,6 +28,12 @@ and SGLang's split-KV decode describe, written anew here):
 Nothing in `paged_attention` reads device memory from the host: the grid comes from
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
+
+Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
+counts, head size, block size, dtype) the attention kernel has 4, decode or prefill tiles
+times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
+kernel 1, the store kernel 1. The block-table width and the split workspace strides vary at
+run time and are `do_not_specialize`.
 """
 import torch
 import triton
