@@ -6,7 +6,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graph import capture_sizes
-from nanovllm.engine.warmup import MULTI_STEP_STEPS, SAMPLING_PROFILES, warm_up_kernels, warmup_steps
+from nanovllm.engine.warmup import MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter, warm_up_kernels, warmup_steps
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
@@ -24,7 +24,8 @@ def test_steps_cover_every_kind_of_step():
     steps = _kinds(warmup_steps(MAX_MODEL_LEN, CHUNK, MAX_NUM_SEQS, multi_step=True))
     decode_sizes = sorted(len(s.seqs) for name, s in steps.items() if name.startswith("decode, batch"))
     assert decode_sizes == sorted(set(capture_sizes(MAX_NUM_SEQS)) | {MAX_NUM_SEQS})
-    assert {name.removeprefix("sampling: ") for name in steps if name.startswith("sampling: ")} == set(SAMPLING_PROFILES)
+    profiles = {name.removeprefix("sampling: ") for name in steps if name.startswith("sampling: ")}
+    assert profiles == set(SAMPLING_PROFILES)
     (mid,) = steps["prefill, a chunk ending mid-prompt"].seqs
     assert mid.computed + mid.scheduled < mid.total and mid.scheduled == CHUNK  # does not sample
     (whole,) = steps["prefill, one whole chunk"].seqs
@@ -69,3 +70,20 @@ def test_warm_up_runs_every_step_and_leaves_no_trace(model_path):
     assert lines[-1].startswith(f"kernel warm-up: {len(steps)} steps")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert _outputs(llm) == expected
+
+
+def test_variant_counter_chains_and_restores_the_hook():
+    knobs = pytest.importorskip("triton").knobs.runtime
+    seen = []
+
+    def previous(**kwargs):
+        seen.append(kwargs["repr"])
+        return False
+    saved, knobs.jit_cache_hook = knobs.jit_cache_hook, previous
+    try:
+        with VariantCounter() as counter:
+            assert knobs.jit_cache_hook(repr="kernel[sig]", fn=None) is False  # Triton goes on to compile
+        assert counter.names == ["kernel[sig]"] and seen == ["kernel[sig]"]
+        assert knobs.jit_cache_hook is previous
+    finally:
+        knobs.jit_cache_hook = saved
