@@ -6,7 +6,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graph import capture_sizes
-from nanovllm.engine.warmup import MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter, warm_up_kernels, warmup_steps
+from nanovllm.engine.warmup import (MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter, compile_progress,
+                                    warm_up_kernels, warmup_steps)
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
@@ -87,3 +88,15 @@ def test_variant_counter_chains_and_restores_the_hook():
         assert knobs.jit_cache_hook is previous
     finally:
         knobs.jit_cache_hook = saved
+
+
+def test_compile_progress_names_each_new_variant(capsys):
+    knobs = pytest.importorskip("triton").knobs.runtime
+    kernel = type("Info", (), {"name": "_some_kernel"})()
+    with compile_progress(rank=0) as counter:
+        knobs.jit_cache_hook(repr="_some_kernel[sig]", fn=kernel)
+    with compile_progress(rank=1):  # other ranks stay quiet
+        knobs.jit_cache_hook(repr="_some_kernel[sig]", fn=kernel)
+    err = capsys.readouterr().err.splitlines()
+    assert counter.names == ["_some_kernel[sig]"]
+    assert len(err) == 1 and err[0].startswith("nanovllm: compiling kernels: 1 so far") and "_some_kernel" in err[0]

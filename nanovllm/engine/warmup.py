@@ -24,6 +24,8 @@ including kernels added later:
 The scratch sequences' block tables point into the first `SCRATCH_BLOCKS` blocks of the
 KV cache (zeroed before and after; entries repeat, so any context length fits in them).
 No scheduler or block manager is involved, and the global RNG states are restored after.
+`compile_progress` prints a line on stderr as each variant starts compiling, over the whole
+start-up (the memory-sizing step and the CUDA-graph captures compile most of them first).
 
 Rules for kernels, so that this covers them:
 1. No `tl.constexpr` may take a value that varies at run time (token count, batch size,
@@ -175,8 +177,10 @@ class VariantCounter:
     Chains to a hook already installed. `available` is False where this Triton has no hook
     (then nothing is counted)."""
 
-    def __init__(self):
+    def __init__(self, on_new: Callable[[str, int], None] | None = None):
+        """`on_new(kernel name, count so far)`: called as each new variant starts compiling."""
         self.names: list[str] = []
+        self._on_new = on_new
         self._knobs = _runtime_knobs()
         self.available = self._knobs is not None
 
@@ -192,6 +196,8 @@ class VariantCounter:
 
     def _hook(self, *args, **kwargs):
         self.names.append(str(kwargs.get("repr")))
+        if self._on_new is not None:
+            self._on_new(getattr(kwargs.get("fn"), "name", "?"), len(self.names))
         return self._previous(*args, **kwargs) if self._previous is not None else False
 
 
@@ -223,9 +229,22 @@ def _zero_scratch(runner: ModelRunner) -> None:
         attn.v_cache[:SCRATCH_BLOCKS].zero_()
 
 
+@contextmanager
+def compile_progress(rank: int):
+    """While the engine starts: a line on stderr (rank 0) as each Triton kernel variant starts
+    compiling or loading from the disk cache, so a cold start does not look hung."""
+    start = time.perf_counter()
+
+    def on_new(name: str, count: int) -> None:
+        if rank == 0:
+            _stderr(f"compiling kernels: {count} so far, {time.perf_counter() - start:.1f} s ({name})")
+    with VariantCounter(on_new) as counter:
+        yield counter
+
+
 def warm_up_kernels(runner: ModelRunner, log: Callable[[str], None] | None = None) -> int:
     """Run every warm-up step on `runner`; returns the kernel variants met (0 where not counted).
-    `log`: progress lines (default: stderr on rank 0)."""
+    `log`: the steps that met new variants, and a summary (default: stderr on rank 0)."""
     if log is None:
         log = _stderr if runner.rank == 0 else (lambda line: None)
     config = runner.config
@@ -239,7 +258,7 @@ def warm_up_kernels(runner: ModelRunner, log: Callable[[str], None] | None = Non
             run_step(runner, step)
             new = len(counter.names) - before
             if new:
-                log(f"compiling kernels: step {i}/{len(steps)} ({step.name}): {new} new, "
+                log(f"kernel warm-up: step {i}/{len(steps)} ({step.name}) met {new}, "
                     f"{len(counter.names)} so far, {time.perf_counter() - start:.1f} s")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
