@@ -17,6 +17,7 @@ from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
+from nanovllm.engine.warmup import compile_progress, warm_up_kernels
 from nanovllm.kernels import get_attention_backend
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
@@ -78,8 +79,11 @@ class ModelRunner:
         self._compile_kernels()
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
-        self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.graph_runner = self._capture_cuda_graphs()
+        with compile_progress(rank):  # sizing, graph capture and warm-up compile every Triton kernel
+            self.num_kvcache_blocks = self._allocate_kv_cache()
+            self.graph_runner = self._capture_cuda_graphs()
+            if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
+                warm_up_kernels(self)
 
     # ---- start-up -------------------------------------------------------------
 
