@@ -45,6 +45,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # the checkpoint's `quantization_config` (config.json), read by layers/quantization
+    quantization_config: dict | None = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -102,6 +104,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             dtype=hf.get("torch_dtype") or hf.get("dtype"),
             sliding_window=_sliding_window(hf, arch),
+            quantization_config=hf.get("quantization_config"),
             **(_granite_scalars(hf) if arch == "GraniteForCausalLM" else {}),
         )
 
