@@ -6,10 +6,11 @@ Where they come from, in order:
 
 1. the checkpoint's `k_scale` / `v_scale` tensors (one per layer, as vLLM and
    llm-compressor write them), kept by the loader on each `Attention` layer;
-2. otherwise a calibration pass at start-up: one prefill of `CALIBRATION_TOKENS`
-   pseudo-random tokens (seeded, so every start gives the same scales) on a scratch cache
-   in the model dtype, recording max |k| and max |v| of every KV head of every layer;
-   scale = amax * SCALE_HEADROOM / fp8_max.
+2. otherwise a calibration pass at start-up: one prefill of `CALIBRATION_SEQS` sequences
+   of `CALIBRATION_SEQ_LEN` pseudo-random tokens (seeded, so every start gives the same
+   scales, whatever the token budget; the same for every max_model_len >= the length) on
+   a scratch cache in the model dtype, recording max |k| and max |v| of every KV head of
+   every layer; scale = amax * SCALE_HEADROOM / fp8_max.
 
 Granularity, measured on SmolLM2-135M (benchmarks/bench_fp8_kv_accuracy.py,
 benchmarks/RESULTS.md "FP8 KV cache"): per layer, per tensor (one scale for all layers)
@@ -27,7 +28,8 @@ from nanovllm.kernels import kv_quant
 from nanovllm.layers.attention import Attention
 from nanovllm.utils.context import Context, set_context
 
-CALIBRATION_TOKENS = 512   # one prefill of this many tokens (fewer if the budget or context is smaller)
+CALIBRATION_SEQS = 4       # one prefill of this many sequences ...
+CALIBRATION_SEQ_LEN = 128  # ... of this many tokens (fewer if max_model_len is smaller)
 SCALE_HEADROOM = 2.0       # values up to twice the calibration's largest are not clipped
 GRANULARITY = "layer"      # "tensor" | "layer" | "head" (see the module docstring)
 GRANULARITIES = ("tensor", "layer", "head")
@@ -38,7 +40,7 @@ def set_kv_scales(model: nn.Module, layers: list[Attention], cache_dtype: torch.
     """Give every layer its `k_scale` / `v_scale` ([num_kv_heads] float32): the checkpoint's
     where every layer has them, else calibrated (`calibration`: `calibrate_kv_amax`'s kwargs)."""
     fp8_max = torch.finfo(cache_dtype).max
-    if all(attn.checkpoint_kv_scales is not None for attn in layers):
+    if layers[0].checkpoint_kv_scales is not None:  # the loader saw to it that every layer has them
         for attn in layers:
             k, v = attn.checkpoint_kv_scales
             attn.k_scale = torch.full((attn.num_kv_heads,), k, dtype=torch.float32, device=device)
@@ -71,28 +73,30 @@ def scales_from_amax(amax: torch.Tensor, granularity: str, fp8_max: float, tp_si
 
 @torch.inference_mode()
 def calibrate_kv_amax(model: nn.Module, layers: list[Attention], *, device: torch.device,
-                      dtype: torch.dtype, block_size: int, max_tokens: int, vocab_size: int,
+                      dtype: torch.dtype, block_size: int, max_model_len: int, vocab_size: int,
                       seed: int) -> torch.Tensor:
     """Max |k| and |v| per KV head of every layer over one seeded prefill.
 
     Returns [num_layers, 2, num_kv_heads] float32. The layers get scratch caches in
     `dtype` for the pass and empty ones after it.
     """
-    n = min(CALIBRATION_TOKENS, max_tokens)
-    num_blocks = -(-n // block_size)
+    seq_len = min(CALIBRATION_SEQ_LEN, max_model_len)
+    n, blocks_per_seq = CALIBRATION_SEQS * seq_len, -(-seq_len // block_size)
     for attn in layers:
-        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        shape = (CALIBRATION_SEQS * blocks_per_seq, block_size, attn.num_kv_heads, attn.head_dim)
         attn.k_cache = torch.empty(shape, dtype=dtype, device=device)
         attn.v_cache = torch.empty(shape, dtype=dtype, device=device)
         attn.kv_amax = torch.zeros(2, attn.num_kv_heads, dtype=torch.float32, device=device)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(vocab_size, (n,), generator=generator).to(device)
-    positions = torch.arange(n, device=device)
+    positions = torch.arange(seq_len, device=device).repeat(CALIBRATION_SEQS)
+    tables = torch.arange(CALIBRATION_SEQS * blocks_per_seq, dtype=torch.int32, device=device)
+    tables = tables.view(CALIBRATION_SEQS, blocks_per_seq)                  # [seqs, blocks_per_seq]
+    slots = (tables[:, :1].long() * block_size + torch.arange(seq_len, device=device)).flatten()
     context = Context(
-        slot_mapping=positions.clone(), cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens_k=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        max_seqlen_q=n, max_seqlen_k=n)
+        slot_mapping=slots, seq_lens_k=torch.full((CALIBRATION_SEQS,), seq_len, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.arange(0, n + 1, seq_len, dtype=torch.int32, device=device),
+        block_tables=tables, max_seqlen_q=seq_len, max_seqlen_k=seq_len)
     try:
         with set_context(context):
             model(input_ids, positions)

@@ -114,7 +114,7 @@ class ModelRunner:
     def _set_kv_scales(self) -> None:
         """An fp8 cache's fixed scales (engine/kv_scales.py), before any cache is attached."""
         calibration = dict(dtype=self.dtype, block_size=self.block_size, vocab_size=self.model_config.vocab_size,
-                           max_tokens=min(self.max_model_len, self.config.max_num_batched_tokens),
+                           max_model_len=self.max_model_len,
                            seed=self.config.seed)
         set_kv_scales(self.model, self._attention_layers(), self.kv_cache_dtype, calibration,
                       self.device, self.tp_size)
