@@ -50,10 +50,14 @@ def load_named_weights(model: nn.Module, named_tensors: Iterable[tuple[str, obje
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[param_name]
-        if shard_id is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
+        try:
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except (RuntimeError, ValueError) as e:  # a mis-shaped tensor (a quantized one's scales, say)
+            raise ValueError(f"checkpoint tensor {name!r} does not fit {param_name} "
+                             f"{tuple(param.shape)}: {e}") from e
         loaded.add(param_name)
     missing = sorted(set(params) - loaded)
     if missing:
