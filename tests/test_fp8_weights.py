@@ -39,7 +39,7 @@ FORMATS = {
     "hf-tensor": {"quant_method": "fp8", "activation_scheme": "dynamic"},
     "ct-channel": None, "ct-tensor": None,  # compressed-tensors: filled in by _ct_config
 }
-ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64)
+ENGINE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64)
 TEACHER = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 # |logprob - reference| over 232 prompt tokens of the tiny qwen3 (initializer 0.2: large
 # activations), measured max / mean: block 4.8e-6 / 9.6e-7 (weights dequantized, activations
@@ -210,7 +210,7 @@ def test_tp2_engine_matches_tp1(checkpoints):
     prompts = random_prompts([17, 33], seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tp1 = [o.outputs[0].token_ids for o in LLM(path, **ENGINE).generate(prompts, greedy, use_tqdm=False)]
-    with LLM(path, tensor_parallel_size=2, device="cpu", **ENGINE) as tp2:
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as tp2:
         assert [o.outputs[0].token_ids for o in tp2.generate(prompts, greedy, use_tqdm=False)] == tp1
 
 
@@ -265,3 +265,18 @@ def test_missing_and_misshaped_scales_name_the_tensor(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight_scale"):
         LLM(_with_config(path, tmp_path / "c", _ct_config("tensor"),
                          reshape="model.layers.0.self_attn.q_proj.weight_scale"), **ENGINE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton per-token quantizer runs on a GPU")
+def test_triton_quantize_rows_matches_torch():
+    from nanovllm.kernels import triton_fp8
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    x[3] = 0  # an all-zero row
+    got, got_scale = triton_fp8.quantize_rows(x, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+    expected_scale = (x.abs().amax(1, keepdim=True).float() / fp8.FP8_MAX).clamp_min(fp8.MIN_SCALE)
+    torch.testing.assert_close(got_scale, expected_scale, rtol=0, atol=0)
+    expected = (x.float() / expected_scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
+    # equal, up to one e4m3 step where the kernel's fp32 division rounds the other way
+    differ = got.view(torch.uint8) != expected.view(torch.uint8)
+    assert differ.float().mean() < 1e-3
+    assert ((got.view(torch.uint8).int() - expected.view(torch.uint8).int()).abs() <= 1).all()

@@ -39,7 +39,11 @@ UNQUANTIZED_OK = ("lm_head", "re:.*lm_head")  # names a checkpoint may leave den
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row: x [rows, cols] -> (fp8 [rows, cols], float32 scales [rows, 1])."""
+    """One scale per row: x [rows, cols] -> (fp8 [rows, cols], float32 scales [rows, 1]).
+    On a GPU one Triton launch (kernels/triton_fp8.py)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from nanovllm.kernels import triton_fp8
+        return triton_fp8.quantize_rows(x, FP8_DTYPE, MIN_SCALE)
     scale = (x.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
@@ -90,8 +94,10 @@ class Fp8LinearMethod(LinearMethod):
             return F.linear(x, (layer.weight.float() * scale).to(x.dtype), bias)
         x2 = x.reshape(-1, x.shape[-1])                                   # [tokens, in]
         x_fp8, x_scale = quantize_rows(x2)                                # per token
+        # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it there
+        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(x_fp8, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale,
-                             out_dtype=x.dtype)                           # [tokens, out]
+                             out_dtype=out_dtype).to(x.dtype)             # [tokens, out]
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
