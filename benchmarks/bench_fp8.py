@@ -4,6 +4,7 @@ each configuration moves and the KV capacity (tokens) each engine got.
 
     python benchmarks/bench_fp8.py gemm            # _scaled_mm rowwise / block-wise vs bf16
     python benchmarks/bench_fp8.py b1              # B1 (Qwen3-0.6B shape): bf16 KV, then fp8 KV
+    python benchmarks/bench_fp8.py b1-fp8          # B1 with the fp8 KV cache only
     python benchmarks/bench_fp8.py b1-8b           # Qwen3-8B shape: bf16, then fp8 weights + fp8 KV
 
 B1 runs as bench_offline.py's: dummy weights, 256 prompts (seed 0), an untimed warm-up on
@@ -134,15 +135,16 @@ def main() -> None:
         return gemm()
     bandwidth = copy_bandwidth()
     print(json.dumps(dict(bench="copy_bandwidth", tb_per_s=round(bandwidth / 1e12, 3))), flush=True)
-    if part == "b1":
-        run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth)
+    if part in ("b1", "b1-fp8"):
+        if part == "b1":
+            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth)
         run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, kv_cache_dtype="fp8")
     elif part == "b1-8b":
         bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth)
         fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, quantization="fp8", kv_cache_dtype="fp8")
         print(json.dumps(dict(bench="B1-8b-speedup", speedup=round(fp8["tok_per_s"] / bf16["tok_per_s"], 3))))
     else:
-        raise SystemExit(f"unknown part {part!r}: gemm, b1 or b1-8b")
+        raise SystemExit(f"unknown part {part!r}: gemm, b1, b1-fp8 or b1-8b")
 
 
 if __name__ == "__main__":
