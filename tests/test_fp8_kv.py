@@ -224,3 +224,16 @@ def test_smollm2_with_an_fp8_cache_answers_paris_and_keeps_its_logprobs():
     diff = (_prompt_logprobs(fp8, [text]) - ref).abs()
     assert diff.max() < SMOL_LOGPROB_ATOL and diff.mean() < SMOL_MEAN_LOGPROB_ATOL, \
         f"max {diff.max():.3f}, mean {diff.mean():.4f}"
+
+
+def test_fp8_on_a_gpu_without_fp8_is_a_clear_error(monkeypatch):
+    """Before sm_89 (Ada / Hopper) the fp8 options are refused at start, naming the GPU."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs a GPU with fp8.*A100 is 8\.0"):
+        kv_quant.check_fp8_device(torch.device("cuda"), "kv_cache_dtype='fp8'")
+    from nanovllm.layers.quantization import get_quantization_config
+    with pytest.raises(ValueError, match=r"quantization='fp8' needs a GPU with fp8"):
+        get_quantization_config("fp8", None).check_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    kv_quant.check_fp8_device(torch.device("cuda"), "kv_cache_dtype='fp8'")  # Hopper: fine
