@@ -12,6 +12,7 @@ from nanovllm.layers.quantization import check_quantization_option
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; "fp8" is e4m3
 # 16 tokens per block, as vLLM: prefix-cache hits and the last partial block waste
 # at most 15 slots, and our attention kernels gather keys by slot, so the block size
 # does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
@@ -41,6 +42,7 @@ class Config:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     kvcache_block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_dtype: str = "auto"              # "auto": the model's dtype; fp8 halves the bytes (kernels/kv_quant.py)
     num_kvcache_blocks: int | None = None     # fixed cache size; overrides the memory budget
     kv_cache_memory_bytes: int | None = None  # CPU: memory budget for the KV cache
     gpu_memory_utilization: float = 0.9       # GPU: fraction of device memory the engine may use
@@ -67,6 +69,7 @@ class Config:
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)

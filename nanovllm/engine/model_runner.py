@@ -13,12 +13,13 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
+from nanovllm.engine.kv_scales import set_kv_scales
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
 from nanovllm.engine.warmup import compile_progress, warm_up_kernels
-from nanovllm.kernels import get_attention_backend
+from nanovllm.kernels import get_attention_backend, kv_quant
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.quantization import building_with, get_quantization_config, process_weights_after_loading
@@ -75,11 +76,16 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.dtype)
+        self.kv_cache_dtype = kv_quant.resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if kv_quant.is_fp8(self.kv_cache_dtype):
+            kv_quant.check_fp8_device(self.device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
         self.model = self._load_model(source)
-        self._compile_kernels()
+        if kv_quant.is_fp8(self.kv_cache_dtype):
+            self._set_kv_scales()
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
         with compile_progress(rank):  # sizing, graph capture and warm-up compile every Triton kernel
+            self._compile_kernels()
             self.num_kvcache_blocks = self._allocate_kv_cache()
             self.graph_runner = self._capture_cuda_graphs()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
@@ -118,9 +124,17 @@ class ModelRunner:
             if moe is not None:  # every MoE layer of a model has the same shapes
                 moe.compile_kernels()
 
+    def _set_kv_scales(self) -> None:
+        """An fp8 cache's fixed scales (engine/kv_scales.py), before any cache is attached."""
+        calibration = dict(dtype=self.dtype, block_size=self.block_size, vocab_size=self.model_config.vocab_size,
+                           max_model_len=self.max_model_len,
+                           seed=self.config.seed)
+        set_kv_scales(self.model, self._attention_layers(), self.kv_cache_dtype, calibration,
+                      self.device, self.tp_size)
+
     def _kv_bytes_per_block(self) -> int:
         attn = self._attention_layers()[0]
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.kv_cache_dtype.itemsize
         return per_token * self.block_size * len(self._attention_layers())
 
     def _attention_layers(self) -> list[Attention]:
@@ -186,8 +200,8 @@ class ModelRunner:
     def _attach_kv_cache(self, num_blocks: int) -> None:
         for attn in self._attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

@@ -8,10 +8,11 @@ import argparse
 import typing
 from dataclasses import MISSING, fields
 
-from nanovllm.config import DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, Config
 
 ENGINE_ARG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"]}
-ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS}
+ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS,
+                      "kv_cache_dtype": KV_CACHE_DTYPES}
 ENGINE_ARG_HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's context length",
     "max_num_seqs": "most sequences in one step's batch",
@@ -23,6 +24,8 @@ ENGINE_ARG_HELP = {
     "enforce_eager": "disable CUDA graphs",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "kvcache_block_size": "tokens per KV cache block",
+    "kv_cache_dtype": "KV cache element type; auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: "
+                      "one byte, with per-layer scales fixed at start-up",
     "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
     "kv_cache_memory_bytes": "CPU: bytes for the KV cache",
     "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",

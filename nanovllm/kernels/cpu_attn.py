@@ -14,14 +14,15 @@ token) does, per layer:
    flash-attention kernel applies.
 
 Prefill chunks and mixed steps go to `torch_ref` (once per prompt, not per token).
-Signatures are those of `torch_ref`; tests compare the two.
+Signatures are those of `torch_ref`; tests compare the two. An fp8 cache is gathered as
+bytes and dequantized before SDPA (which rejects fp8), as in `torch_ref`.
 """
 import threading
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import torch_ref
+from nanovllm.kernels import kv_quant, torch_ref
 
 # Per-thread state (two engines stepping in two threads must not share it): the last
 # decode step's plan, and the buffers the gathered K/V are written into, reused by
@@ -30,22 +31,26 @@ _local = threading.local()
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """As `torch_ref.store_kvcache`; when no slot is -1 (every CPU step so far), two
     `index_copy_` calls instead of boolean-mask indexing (7 small ops fewer per layer).
 
     key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
+    k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache
     """
     if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
-        return torch_ref.store_kvcache(key, value, k_cache, v_cache, slot_mapping)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+        return torch_ref.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    key, value = torch_ref.quantize_for_cache(key, value, k_cache.dtype, k_scale, v_scale)
+    kv_quant.as_bytes(k_cache).view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, kv_quant.as_bytes(key))
+    kv_quant.as_bytes(v_cache).view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, kv_quant.as_bytes(value))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, *, max_seqlen_q: int | None = None,
-                    max_seqlen_k: int | None = None) -> torch.Tensor:
+                    max_seqlen_k: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context (see torch_ref).
 
     q:            [num_tokens, num_heads, head_dim]
@@ -55,12 +60,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if q.shape[0] != seq_lens_k.shape[0]:  # some sequence has more than one query: not decode-only
         return torch_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    return decode_attention(q, k_cache, v_cache, seq_lens_k, block_tables, scale, max_seqlen_k)
+                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                         k_scale=k_scale, v_scale=v_scale)
+    return decode_attention(q, k_cache, v_cache, seq_lens_k, block_tables, scale, max_seqlen_k,
+                            k_scale, v_scale)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, max_seqlen_k: int | None = None) -> torch.Tensor:
+                     block_tables: torch.Tensor, scale: float, max_seqlen_k: int | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, all sequences in one SDPA call.
 
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
@@ -70,6 +78,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     blocks, mask, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
     k = _gather(k_cache, blocks, unowned, "k").view(num_seqs, -1, num_kv_heads, d)  # [num_seqs, max_len, kv_heads, d]
     v = _gather(v_cache, blocks, unowned, "v").view(num_seqs, -1, num_kv_heads, d)
+    if kv_quant.is_fp8(k_cache.dtype):  # unowned slots are 0 bytes, fp8 0.0
+        k, v = kv_quant.dequantize(k, k_scale, q.dtype), kv_quant.dequantize(v, v_scale, q.dtype)
     group = num_heads // num_kv_heads
     o = F.scaled_dot_product_attention(
         q.view(num_seqs, num_kv_heads, group, d), k.transpose(1, 2), v.transpose(1, 2),
@@ -85,6 +95,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, na
     whatever the cache had, NaN bit patterns included: the mask gives them weight 0, but
     0 * NaN is NaN. Only they are filled (`unowned`: their row numbers), not the whole copy.
     """
+    dtype, cache = cache.dtype, kv_quant.as_bytes(cache)  # fp8: moved as bytes
     shape = (len(blocks), *cache.shape[1:])
     numel = shape[0] * cache[0].numel()
     buf = getattr(_local, name, None)
@@ -94,7 +105,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, na
         setattr(_local, name, buf)
     out = torch.index_select(cache, 0, blocks, out=buf[:numel].view(shape))
     out.view(-1, *cache.shape[2:]).index_fill_(0, unowned, 0)
-    return out
+    return kv_quant.as_dtype(out, dtype)
 
 
 def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,

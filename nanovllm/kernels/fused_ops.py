@@ -19,6 +19,8 @@ class KVStore(NamedTuple):
     k_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor       # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens]; slot -1 writes nothing
+    k_scale: torch.Tensor | None = None  # [num_kv_heads] float32: an fp8 cache's scales
+    v_scale: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

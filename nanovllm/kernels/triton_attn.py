@@ -25,6 +25,14 @@ and SGLang's split-KV decode describe, written anew here):
   programs share one (query tile, KV head) and each covers a segment of the context;
   a second kernel combines the partial results by log-sum-exp.
 
+FP8 KV cache (`kernels/kv_quant.py`): with an fp8 cache both kernels take per-KV-head
+float32 scales `k_scale` / `v_scale` (`[num_kv_heads]`). The store quantizes as it
+writes (`fp8(clamp(x / scale))`); attention casts each K/V tile to the query dtype
+as it reads it and folds the scales in where they cost nothing: a program serves one KV
+head, so `k_scale` multiplies the softmax scale and `v_scale` the finished output.
+Variants: `KV_FP8` (from the cache dtype) doubles each kernel's constexpr set, nothing
+else; e4m3 and e5m2 caches are separate compilations through the pointer dtype.
+
 Nothing in `paged_attention` reads device memory from the host: the grid comes from
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
@@ -38,6 +46,8 @@ run time and are `do_not_specialize`.
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels import kv_quant
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
@@ -78,14 +88,28 @@ COMBINE_SPLITS_BLOCK = 16  # splits the combine kernel reads at once
 
 
 @triton.jit
+def quantize_fp8(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp8(clamp(x / scale)), as `kv_quant.quantize`: x [..., D]; scale broadcasts over it."""
+    y = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(out_dtype)
+
+
+def fp8_max(cache: torch.Tensor) -> float:
+    """The largest finite value of an fp8 cache's dtype (0.0, unused, for other caches)."""
+    return torch.finfo(cache.dtype).max if kv_quant.is_fp8(cache.dtype) else 0.0
+
+
+@triton.jit
 def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          k_scale_ptr, v_scale_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_kcb, stride_kcr, stride_kch,
                           stride_vcb, stride_vcr, stride_vch,
                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr):
-    """One program per token: copy its [num_kv_heads, head_dim] key and value."""
+                          PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """One program per token: copy its [num_kv_heads, head_dim] key and value (KV_FP8:
+    quantized with each head's scale)."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -97,6 +121,12 @@ def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if KV_FP8:
+        head_ok = heads < NUM_KV_HEADS
+        k = quantize_fp8(k, tl.load(k_scale_ptr + heads, mask=head_ok, other=1.0),
+                         k_cache_ptr.dtype.element_ty, FP8_MAX)
+        v = quantize_fp8(v, tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0),
+                         v_cache_ptr.dtype.element_ty, FP8_MAX)
     tl.store(k_cache_ptr + block * stride_kcb + row * stride_kcr + heads * stride_kch + dims,
              k, mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcr + heads * stride_vch + dims,
@@ -104,25 +134,30 @@ def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write this step's keys and values into their slots; slot -1 is skipped.
 
     key, value:       [num_tokens, num_kv_heads, head_dim] (last dim contiguous)
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping:     [num_tokens] int
+    k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
+        k_scale if kv_fp8 else slot_mapping, v_scale if kv_fp8 else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1])
+        DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+        KV_FP8=kv_fp8, FP8_MAX=fp8_max(k_cache))
 
 
 # ------------------------------------------------------------------ attention kernel
@@ -180,6 +215,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_kb, stride_kr, stride_kh, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
+    k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(positions[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -190,7 +226,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -211,14 +247,14 @@ def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr,
-        cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2,
+        cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
         QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -234,6 +270,8 @@ def _unified_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return
     ctx_len = tl.load(seq_lens_k_ptr + seq)
+    if KV_FP8:  # the KV head's key scale joins the softmax scale
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     rows = tl.arange(0, BLOCK_M)
     q_idx = q_block * BLOCK_Q + rows // QPK_PAD                  # [BLOCK_M] query of each row
     head = kv_head * QPK + rows % QPK_PAD                         # [BLOCK_M] query head of each row
@@ -272,6 +310,8 @@ def _unified_attention_kernel(
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]              # [BLOCK_M, HEAD_DIM_PAD]
+    if KV_FP8:  # every value row of this KV head had the same scale
+        o = o * tl.load(v_scale_ptr + kv_head)
     if not IS_SPLIT:
         _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
                     HEAD_DIM, HEAD_DIM_PAD)
@@ -320,6 +360,15 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _check_scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether the cache is fp8; an fp8 cache must come with both scales, [num_kv_heads] float32."""
+    if not kv_quant.is_fp8(cache.dtype):
+        return False
+    assert k_scale is not None and v_scale is not None, "an fp8 cache needs k_scale and v_scale"
+    assert k_scale.shape == v_scale.shape == cache.shape[2:3] and k_scale.dtype == torch.float32
+    return True
+
+
 def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:
@@ -357,8 +406,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                     block_tables: torch.Tensor, scale: float, *,
                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                    num_splits: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, out: torch.Tensor | None = None,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context.
 
     q:            [num_tokens, num_heads, head_dim] (last dim contiguous)
@@ -375,6 +425,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     Any value is correct for any context length, so a CUDA graph may
                     bake the one chosen at capture.
       out:          [num_tokens, num_heads, head_dim] buffer to write into.
+      k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache.
     Returns:      out, [num_tokens, num_heads, head_dim]
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -396,18 +447,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
                                         max_seqlen_k, q.device)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_cache, v_cache,
         cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **cfg)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fused_ops import KVStore
+from nanovllm.kernels.triton_attn import _check_scales, fp8_max, quantize_fp8
 
 
 @triton.jit
@@ -76,15 +77,34 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
 
 
 @triton.jit
+def _store_cache_rows(row_ptr, x1, x2, scale_ptrs, mask, HALF: tl.constexpr, KV_FP8: tl.constexpr,
+                      FP8_MAX: tl.constexpr):
+    """Store the two halves [BLOCK_KH, HALF] of a token's heads at `row_ptr` (+ head offsets),
+    quantized with each head's scale (`scale_ptrs`: [BLOCK_KH, 1]) for an fp8 cache. A
+    function of its own: Triton's compiler refuses a variable whose type changes inside the
+    caller's run-time `if` (the interpreter does not check this)."""
+    dims = tl.arange(0, HALF)[None, :]
+    if KV_FP8:
+        scale = tl.load(scale_ptrs, mask=mask, other=1.0)
+        tl.store(row_ptr + dims, quantize_fp8(x1, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+        tl.store(row_ptr + HALF + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+    else:
+        tl.store(row_ptr + dims, x1, mask=mask)
+        tl.store(row_ptr + HALF + dims, x2, mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
-                         v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          stride_cb, stride_cr, stride_ch, num_q_heads, num_k_heads, eps,
                          HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                          BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                         STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr):
+                         STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """One program per token: its q heads, then its k heads (one launch for both); with
-    STORE_KV, also the token's rotated k and its v into their cache slot (none for slot -1)."""
+    STORE_KV, also the token's rotated k and its v into their cache slot (none for slot -1),
+    quantized with each head's scale for an fp8 cache (KV_FP8)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
@@ -100,11 +120,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
             heads = tl.arange(0, BLOCK_KH)[:, None]
             mask = heads < num_k_heads
             row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cr + heads * stride_ch
-            tl.store(k_cache_ptr + row + dims, k1, mask=mask)
-            tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
             v_row = v_ptr + token * stride_vt + heads * stride_vh
-            tl.store(v_cache_ptr + row + dims, tl.load(v_row + dims, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + row + HALF + dims, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
+            _store_cache_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, HALF, KV_FP8, FP8_MAX)
+            _store_cache_rows(v_cache_ptr + row, tl.load(v_row + dims, mask=mask),
+                              tl.load(v_row + HALF + dims, mask=mask), v_scale_ptr + heads, mask,
+                              HALF, KV_FP8, FP8_MAX)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -127,16 +147,18 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1
         slots, page_size = kv_store.slot_mapping, k_cache.shape[1]
+        kv_fp8 = _check_scales(k_cache, kv_store.k_scale, kv_store.v_scale)
     else:  # unused pointers and strides
-        v, k_cache, v_cache, slots, page_size = k, k, k, positions, 1
+        v, k_cache, v_cache, slots, page_size, kv_fp8 = k, k, k, positions, 1, False
+    k_scale, v_scale = (kv_store.k_scale, kv_store.v_scale) if kv_fp8 else (positions, positions)
     _qk_norm_rope_kernel[(num_tokens,)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
-        cos_sin_cache, positions, v, k_cache, v_cache, slots,
+        cos_sin_cache, positions, v, k_cache, v_cache, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, k.shape[1], eps, HALF=head_dim // 2, HAS_NORM=q_weight is not None,
         BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        STORE_KV=kv_store is not None, PAGE_SIZE=page_size)
+        STORE_KV=kv_store is not None, PAGE_SIZE=page_size, KV_FP8=kv_fp8, FP8_MAX=fp8_max(k_cache))
 
 
 @triton.jit

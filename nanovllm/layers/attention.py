@@ -3,6 +3,7 @@
 The KV cache tensors are attached by `ModelRunner` after it sizes the cache; the
 per-step metadata comes from `utils/context.py`. On the GPU the store is left to the
 RoPE kernel, which has the rotated keys at hand (`kv_store`): one launch fewer a layer.
+An fp8 cache also gets its fixed scales `k_scale` / `v_scale` (`engine/kv_scales.py`).
 """
 import torch
 from torch import nn
@@ -19,21 +20,31 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale = num_heads, head_dim, scale
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])  # [num_blocks, block_size, kv_heads, d]
+        self.k_scale = self.v_scale = None  # [kv_heads] float32, for an fp8 cache only
+        self.checkpoint_kv_scales = None  # (k, v) floats from the checkpoint, if it has them
+        self.kv_amax = None  # [2, kv_heads] float32 while scales are calibrated: max |k|, |v| seen
 
     def kv_store(self, v: torch.Tensor) -> KVStore | None:
         """Where RoPE should write this step's K/V (`v`: [num_tokens, kv_heads, d]): on the GPU,
         this layer's cache; None elsewhere (`forward` stores them)."""
         if not v.is_cuda:
             return None
-        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+        if self.kv_amax is not None:  # calibrating: forward sees k and v before they are stored
+            return None
+        return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping, self.k_scale, self.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         """q: [num_tokens, heads, d]; k, v: [num_tokens, kv_heads, d] -> [num_tokens, heads * d]
         `kv_stored`: k and v are already in the cache (written through `kv_store`)."""
         ctx = get_context()
+        if self.kv_amax is not None:
+            torch.maximum(self.kv_amax, torch.stack([k.abs().amax((0, 2)), v.abs().amax((0, 2))]).float(),
+                          out=self.kv_amax)
         if not kv_stored:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
+                                       self.k_scale, self.v_scale)
         o = self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens_k,
                                          ctx.block_tables, self.scale, max_seqlen_q=ctx.max_seqlen_q,
-                                         max_seqlen_k=ctx.max_seqlen_k)
+                                         max_seqlen_k=ctx.max_seqlen_k, k_scale=self.k_scale,
+                                         v_scale=self.v_scale)
         return o.flatten(1)

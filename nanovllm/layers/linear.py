@@ -56,6 +56,14 @@ def in_param_units(param: nn.Parameter, start: int, size: int) -> tuple[int, int
     return start // unit, -(-(start + size) // unit) - start // unit
 
 
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), refusing a src of another shape (copy_ would broadcast a wrong-shaped
+    scale silently); the loader names the checkpoint tensor."""
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"shape {tuple(src.shape)} where this rank's part is {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         """`input_size` / `output_size`: this rank's partition."""
@@ -85,7 +93,7 @@ class LinearBase(nn.Module):
         dim = param.output_dim
         first, count = in_param_units(param, start, size)
         at, _ = in_param_units(param, offset, size)
-        param.data.narrow(dim, at, count).copy_(read_shard(loaded, dim, first, count))
+        _copy_checked(param.data.narrow(dim, at, count), read_shard(loaded, dim, first, count))
 
 
 class ReplicatedLinear(LinearBase):
@@ -148,7 +156,7 @@ class RowParallelLinear(LinearBase):
             return
         size = self.input_size
         first, count = in_param_units(param, self.tp_rank * size, size)
-        param.data.copy_(read_shard(loaded, param.input_dim, first, count))
+        _copy_checked(param.data, read_shard(loaded, param.input_dim, first, count))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)  # [num_tokens, output_size]: this rank's partial sum

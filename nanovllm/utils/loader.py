@@ -20,6 +20,9 @@ from nanovllm.layers.linear import read_whole
 
 # Checkpoint tensors that hold nothing the engine needs (computed at load instead).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An fp8 KV cache's per-layer scales, as vLLM reads them: -> which of (k, v) each sets
+KV_SCALE_SUFFIXES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.kv_scale": "kv",
+                     "self_attn.k_proj.k_scale": "k", "self_attn.v_proj.v_scale": "v"}
 DUMMY_WEIGHT_RANGE = 1e-3  # uniform(-r, r): small enough that activations stay finite in bf16
 
 
@@ -38,17 +41,24 @@ def load_named_weights(model: nn.Module, named_tensors: Iterable[tuple[str, obje
     params = dict(model.named_parameters())
     tied = getattr(model.lm_head, "weight", None) is getattr(model.model.embed_tokens, "weight", None)
     loaded = set()
+    kv_scales: dict[str, dict[str, float]] = {}  # attention module name -> {"k": .., "v": ..}
     for name, tensor in (part for named in named_tensors for part in model.split_checkpoint_tensor(*named)):
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if _read_kv_scale(name, tensor, kv_scales):
             continue
         param_name, shard_id = _map_name(model, name)
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
         param = params[param_name]
-        if shard_id is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
+        try:
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except (RuntimeError, ValueError) as e:  # a mis-shaped tensor (a quantized one's scales, say)
+            raise ValueError(f"checkpoint tensor {name!r} does not fit {param_name} "
+                             f"{tuple(param.shape)}: {e}") from e
         loaded.add(param_name)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -58,6 +68,39 @@ def load_named_weights(model: nn.Module, named_tensors: Iterable[tuple[str, obje
         if hasattr(module, "missing_parts") and (gaps := module.missing_parts()):
             raise ValueError(f"checkpoint is missing weights of {module_name}: {', '.join(gaps[:5])}"
                              + (f" and {len(gaps) - 5} more" if len(gaps) > 5 else ""))
+    if kv_scales:
+        _attach_kv_scales(model, kv_scales)
+
+
+def _read_kv_scale(name: str, tensor, kv_scales: dict) -> bool:
+    """Keep a checkpoint KV-cache scale (one positive float per layer); False if `name` is none."""
+    suffix = next((s for s in KV_SCALE_SUFFIXES if name.endswith("." + s)), None)
+    if suffix is None:
+        return False
+    value = (tensor if isinstance(tensor, torch.Tensor) else tensor[...]).float()  # [...]: 0-dim slices too
+    if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value.reshape(())) <= 0:
+        raise ValueError(f"checkpoint tensor {name!r} must be one positive finite KV-cache scale, "
+                         f"got shape {tuple(value.shape)}")
+    module = name[:-len(suffix)] + "self_attn.attn"
+    for which in KV_SCALE_SUFFIXES[suffix]:
+        kv_scales.setdefault(module, {})[which] = float(value.reshape(()))
+    return True
+
+
+def _attach_kv_scales(model: nn.Module, kv_scales: dict) -> None:
+    """Each attention layer's checkpoint (k, v) scales; every layer must have both."""
+    from nanovllm.layers.attention import Attention
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    for module in kv_scales:
+        if module not in layers:
+            raise ValueError(f"checkpoint KV-cache scales for {module!r}, which is no attention layer")
+    for name, attn in layers.items():
+        found = kv_scales.get(name, {})
+        if set(found) != {"k", "v"}:
+            missing = ", ".join(w + "_scale" for w in ("k", "v") if w not in found)
+            raise ValueError(f"checkpoint has KV-cache scales for some layers but not {missing} of "
+                             f"{name.removesuffix('.attn')}")
+        attn.checkpoint_kv_scales = (found["k"], found["v"])
 
 
 def default_weight_loader(param: nn.Parameter, loaded) -> None:

@@ -101,3 +101,6 @@ def _known() -> str:
 __all__ = ["FusedMoEMethod", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS",
            "building_with", "check_quantization_option", "get_linear_method", "get_moe_method", "get_quantization_config",
            "process_weights_after_loading", "register_quantization", "set_shard_tags"]
+
+
+from nanovllm.layers.quantization import fp8  # noqa: E402,F401  (registers "fp8", "compressed-tensors")

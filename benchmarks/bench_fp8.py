@@ -1,0 +1,151 @@
+"""FP8 on the GPU: the fp8 linear products, B1 with an fp8 KV cache, and B1 on the
+Qwen3-8B shape with fp8 weights + fp8 KV against bf16, with the rooflines for the bytes
+each configuration moves and the KV capacity (tokens) each engine got.
+
+    python benchmarks/bench_fp8.py gemm            # _scaled_mm rowwise / block-wise vs bf16
+    python benchmarks/bench_fp8.py b1              # B1 (Qwen3-0.6B shape): bf16 KV, then fp8 KV
+    python benchmarks/bench_fp8.py b1-fp8          # B1 with the fp8 KV cache only
+    python benchmarks/bench_fp8.py b1-8b           # Qwen3-8B shape: bf16, then fp8 weights + fp8 KV
+
+B1 runs as bench_offline.py's: dummy weights, 256 prompts (seed 0), an untimed warm-up on
+other prompts (seed 1, so the timed prompts are fresh for the prefix cache) after each
+engine's own start-up, then one timed generate. Each configuration's roofline counts the
+bytes a decode-only schedule must move at its own element sizes: linear weights at 1 byte
+with fp8 weights (embeddings, LM head and norms stay bf16), K/V at 1 byte with an fp8 cache.
+Prints one JSON line per result.
+"""
+import gc
+import json
+import os
+import sys
+import time
+from random import randint, seed
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, workload  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+WARMUP_PROMPTS, WARMUP_TOKENS = 32, 40
+GEMM_SHAPES = [(256, 4096, 12288), (256, 4096, 4096 + 2 * 1024), (1, 4096, 12288)]  # (tokens, in, out)
+
+
+def timed_cuda(fn, iters: int = 50) -> float:
+    """Median seconds of one call (CUDA events) after warm-up."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm() -> None:
+    from nanovllm.layers.quantization import fp8
+    for m, k, n in GEMM_SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = fp8.quantize_rows(w)
+        ws = ws.reshape(1, -1).contiguous()
+        bf16_s = timed_cuda(lambda: x @ w.t())
+        def fp8_mm():
+            xq, xs = fp8.quantize_rows(x)
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+        xq, xs = fp8.quantize_rows(x)
+        mm_s = timed_cuda(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
+        full_s = timed_cuda(fp8_mm)
+        quant_s = timed_cuda(lambda: fp8.quantize_rows(x))
+        rel = ((fp8_mm().float() - (x @ w.t()).float()).norm() / (x @ w.t()).float().norm()).item()
+        floor_s = (n * k + m * k * 2 + m * n * 2) / 4.3e12  # fp8 weight + bf16 in/out at copy bandwidth
+        print(json.dumps(dict(bench="fp8_gemm", shape=[m, k, n], bf16_us=round(bf16_s * 1e6, 1),
+                              scaled_mm_us=round(mm_s * 1e6, 1), quant_us=round(quant_s * 1e6, 1),
+                              fp8_total_us=round(full_s * 1e6, 1), fp8_floor_us=round(floor_s * 1e6, 1),
+                              rel_err=round(rel, 4))))
+    # Does this torch's _scaled_mm take block-wise scales (1x128 activations, 128x128 weights)?
+    m, k, n = 256, 4096, 4096
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(m, k // 128, device="cuda")
+    sb = torch.ones(n // 128, k // 128, device="cuda")
+    for name, scales in {"a[M,K/128] b[N/128,K/128]": (sa, sb),
+                         "a[M,K/128] b[K/128,N/128]": (sa, sb.t().contiguous()),
+                         "a^T-major": (sa.t().contiguous().t(), sb.t().contiguous().t())}.items():
+        try:
+            y = torch._scaled_mm(a, b.t(), scale_a=scales[0], scale_b=scales[1], out_dtype=torch.bfloat16)
+            ok = torch.allclose(y.float(), a.float() @ b.float().t(), rtol=2e-2, atol=1.0)
+            print(json.dumps(dict(bench="scaled_mm_blockwise", layout=name, ran=True, correct=bool(ok))))
+        except Exception as e:  # noqa: BLE001  (the probe reports whatever torch says)
+            print(json.dumps(dict(bench="scaled_mm_blockwise", layout=name, ran=False, error=str(e)[:300])))
+
+
+def roofline_bytes(cfg: dict, prompts, params, weight_bytes: int, kv_bytes: int) -> int:
+    """bench_offline.roofline_bytes with linear weights and K/V at their own element sizes."""
+    h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    linear = L * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    # norms and the LM head, read every step (an untied embedding is only gathered: not counted)
+    other = L * (2 * h + 2 * cfg["head_dim"]) + h * cfg["vocab_size"] + h
+    weights = linear * weight_bytes + other * 2
+    steps = max(p.max_tokens for p in params)
+    reads = sum(m * len(pr) + m * (m - 1) // 2 for pr, m in zip(prompts, (p.max_tokens for p in params)))
+    writes = sum(len(pr) + p.max_tokens for pr, p in zip(prompts, params))
+    return steps * weights + (reads + writes) * 2 * L * kv * kv_bytes
+
+
+def run_b1(cfg: dict, name: str, bandwidth: float, **engine) -> dict:
+    prompts, params = workload(256, 1024, 1024)
+    seed(1)  # fresh prompts for the warm-up: the timed ones must not hit the prefix cache
+    warm_prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(WARMUP_PROMPTS)]
+    t0 = time.perf_counter()
+    llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              max_num_batched_tokens=16384, **engine)
+    start_s = time.perf_counter() - t0
+    llm.generate(warm_prompts, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=WARMUP_TOKENS),
+                 use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    runner = llm.llm_engine.model_runner
+    fp8_weights = engine.get("quantization") == "fp8"
+    kv_bytes = runner.kv_cache_dtype.itemsize
+    floor_s = roofline_bytes(cfg, prompts, params, 1 if fp8_weights else 2, kv_bytes) / bandwidth
+    result = dict(bench="B1-fp8", config=name, output_tokens=tokens, seconds=round(elapsed, 3),
+                  tok_per_s=round(tokens / elapsed, 1), start_s=round(start_s, 1),
+                  roofline_s=round(floor_s, 3), roofline_tok_per_s=round(tokens / floor_s, 1),
+                  roofline_fraction=round(floor_s / elapsed, 3), kv_cache_dtype=str(runner.kv_cache_dtype),
+                  kv_blocks=runner.num_kvcache_blocks, kv_tokens=runner.num_kvcache_blocks * runner.block_size,
+                  gpu_memory_utilization=0.9, device=torch.cuda.get_device_name())
+    print(json.dumps(result), flush=True)
+    del llm, runner, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    part = sys.argv[1]
+    if part == "gemm":
+        return gemm()
+    bandwidth = copy_bandwidth()
+    print(json.dumps(dict(bench="copy_bandwidth", tb_per_s=round(bandwidth / 1e12, 3))), flush=True)
+    if part in ("b1", "b1-fp8"):
+        if part == "b1":
+            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth)
+        run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, kv_cache_dtype="fp8")
+    elif part == "b1-8b":
+        bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth)
+        fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, quantization="fp8", kv_cache_dtype="fp8")
+        print(json.dumps(dict(bench="B1-8b-speedup", speedup=round(fp8["tok_per_s"] / bf16["tok_per_s"], 3))))
+    else:
+        raise SystemExit(f"unknown part {part!r}: gemm, b1, b1-fp8 or b1-8b")
+
+
+if __name__ == "__main__":
+    main()
