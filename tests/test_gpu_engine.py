@@ -30,7 +30,8 @@ NEW_TOKENS = 32
 # since that gap adds up both runs' rounding. So each run is measured against HF's fp32
 # run: our error may be at most BF16_ERROR_RATIO times HF bf16's own, over the tokens fp32
 # gives a logprob above BF16_LOGPROB_FLOOR (the ones a sampler can draw). Passed on the
-# H200 for llama, qwen2 and qwen3 (2026-11-29); mistral, phi3 and granite not run there yet.
+# H200 for llama, qwen2 and qwen3 (2026-11-29), qwen3moe and mixtral (2026-12-01, with the
+# fp32 greedy test); mistral, phi3 and granite not run there yet.
 BF16_LOGPROB_FLOOR = -10.0
 BF16_ERROR_RATIO = 1.5
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 100, 129]

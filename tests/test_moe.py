@@ -127,6 +127,15 @@ def test_a_missing_expert_tensor_is_named(tiny_model):
         _load(path, weights)
 
 
+def test_an_expert_tensor_of_the_wrong_size_is_named(tiny_model):
+    path, _ = tiny_model("mixtral")
+    name = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    weights = [(n, t[:][:, :32] if n == name else t) for n, t in iter_safetensors(path)]
+    with pytest.raises(ValueError, match=r"expert down tensor's slice has shape \(64, 32\); this model's "
+                                         r"configuration needs \(64, 64\)"):
+        _load(path, weights)
+
+
 # ---- GGUF -----------------------------------------------------------------------------
 
 WRITE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")

@@ -87,6 +87,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
 
 class FusedMoE(nn.Module):
+    """The experts of one layer: route each token to its top_k, run them, sum their outputs
+    weighted by the routing (this rank's partial sums all-reduced under tensor parallelism)."""
+
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
@@ -139,8 +142,8 @@ class FusedMoE(nn.Module):
     def _load_all_experts(self, param: nn.Parameter, loaded, part: str) -> None:
         experts = read_shard(loaded, 0, self.expert_start, self.num_local_experts)
         if experts.shape[0] != self.num_local_experts:
-            raise ValueError(f"expert tensor has {experts.shape[0]} experts, the model "
-                             f"{self.expert_start + self.num_local_experts}")
+            raise ValueError(f"a whole-layer expert tensor holds {experts.shape[0] + self.expert_start} experts; "
+                             f"the model has {self.expert_start + self.num_local_experts} or more")
         self._load_part(param, experts, part, dim_offset=1)
 
     def _load_part(self, dest: torch.Tensor, loaded, part: str, dim_offset: int) -> None:
@@ -152,10 +155,17 @@ class FusedMoE(nn.Module):
             self._load_part(dest, whole.narrow(dim_offset, 0, half), "gate", dim_offset)
             self._load_part(dest, whole.narrow(dim_offset, half, half), "up", dim_offset)
         elif part == "down":
-            dest.copy_(read_shard(loaded, 1 + dim_offset, start, size))
+            _copy(dest, read_shard(loaded, 1 + dim_offset, start, size), part)
         else:
             rows = dest.narrow(dim_offset, 0 if part == "gate" else size, size)
-            rows.copy_(read_shard(loaded, dim_offset, start, size))
+            _copy(rows, read_shard(loaded, dim_offset, start, size), part)
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor, part: str) -> None:
+    if dest.shape != src.shape:
+        raise ValueError(f"an expert {part} tensor's slice has shape {tuple(src.shape)}; this model's "
+                         f"configuration needs {tuple(dest.shape)}")
+    dest.copy_(src)
 
 
 class SparseMoeBlock(nn.Module):
