@@ -101,7 +101,6 @@ def test_norm_rope_stores_fp8_kv_like_the_reference(gen, cache_dtype, with_norm)
 CASES = {
     "mixed_gqa2": ([(0, 7), (19, 5), (130, 10), (0, 1), (32, 1)], 4, 2, 32, 16, dict(max_seqlen_q=10)),
     "decode_split3": ([(0, 1), (69, 1), (149, 1)], 8, 2, 64, 16, dict(max_seqlen_q=1, num_splits=3)),
-    "prefill_split2_mqa": ([(100, 9), (0, 20)], 4, 1, 32, 8, dict(num_splits=2)),
 }
 
 
