@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from test_fp8_weights import checkpoints  # noqa: F401  (the fixture: tiny checkpoints in each fp8 format)
 from tiny_models import random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -55,3 +56,19 @@ def test_fp8_engine_on_the_gpu(tiny_model, what, options):
     diff = (ours - ref).abs()
     bound = MEAN_LOGPROB_ATOL["weights" if "quantization" in options else what]
     assert diff.mean() < bound, f"mean |dlogprob| {diff.mean():.3f}, max {diff.max():.3f}"
+
+
+
+def test_block_fp8_checkpoint_on_the_gpu(checkpoints):
+    """An HF fine-grained FP8 checkpoint (block scales) through the Triton block GEMM, with
+    CUDA graphs: the eager run's ids, and teacher-forced logprobs near the CPU path's (the
+    same weights dequantized per call, fp32)."""
+    path, _, _ = checkpoints("hf-block")
+    prompts = random_prompts([30, 31, 40], seed=3)
+    expected = _ids(LLM(path, **ENGINE), prompts)
+    assert _ids(LLM(path, **ENGINE, enforce_eager=True), prompts) == expected
+    teacher = random_prompts([40, 75, 120], seed=4)
+    cpu = dict(ENGINE, device="cpu", dtype="float32", enable_prefix_caching=False)
+    diff = (_prompt_logprobs(LLM(path, **ENGINE, enable_prefix_caching=False), teacher)
+            - _prompt_logprobs(LLM(path, **cpu), teacher)).abs()
+    assert diff.mean() < MEAN_LOGPROB_ATOL["kv"], f"mean |dlogprob| {diff.mean():.3f}, max {diff.max():.3f}"
