@@ -18,6 +18,7 @@ from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
+from nanovllm.engine.warmup import compile_progress, warm_up_kernels
 from nanovllm.kernels import get_attention_backend, kv_quant
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
@@ -83,8 +84,12 @@ class ModelRunner:
             self._set_kv_scales()
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
-        self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.graph_runner = self._capture_cuda_graphs()
+        with compile_progress(rank):  # sizing, graph capture and warm-up compile every Triton kernel
+            self._compile_kernels()
+            self.num_kvcache_blocks = self._allocate_kv_cache()
+            self.graph_runner = self._capture_cuda_graphs()
+            if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
+                warm_up_kernels(self)
 
     # ---- start-up -------------------------------------------------------------
 
@@ -110,6 +115,14 @@ class ModelRunner:
             use_column_major_weights(model)  # faster matrix-vector products (kernels/cpu_linear.py)
         Attention.backend = get_attention_backend(self.device.type)
         return model.eval()
+
+    def _compile_kernels(self) -> None:
+        """Kernel variants that the warm-up and graph capture may not reach (the MoE layers'
+        tile configs, chosen by token count) are compiled now, not during serving."""
+        if self.device.type == "cuda":
+            moe = next((m for m in self.model.modules() if hasattr(m, "compile_kernels")), None)
+            if moe is not None:  # every MoE layer of a model has the same shapes
+                moe.compile_kernels()
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache's fixed scales (engine/kv_scales.py), before any cache is attached."""

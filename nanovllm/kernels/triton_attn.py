@@ -36,6 +36,12 @@ else; e4m3 and e5m2 caches are separate compilations through the pointer dtype.
 Nothing in `paged_attention` reads device memory from the host: the grid comes from
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
+
+Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
+counts, head size, block size, dtype) the attention kernel has 4, decode or prefill tiles
+times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
+kernel 1, the store kernel 1. The block-table width and the split workspace strides vary at
+run time and are `do_not_specialize`.
 """
 import torch
 import triton
@@ -70,10 +76,15 @@ DECODE_NUM_STAGES = 3
 # "B1") took 1% less attention time than with 2 and 256, the values tuned on uniform
 # contexts (NOTES_kernels.md): with B1's mixed context lengths, splitting mid-size batches
 # in two evens out the programs' work.
+# MAX_SPLITS: one 32k-token sequence alone (8 KV heads) took 1.20 ms of attention per decode
+# (28 layers) at 32 splits, 1.20 at 48, 1.40 at 64 and 1.45 at 128 on an H200
+# (bench_long_context.py, RESULTS.md "GPU round 2"): past 2 programs per multiprocessor the
+# shorter segments cost more than the fuller GPU gains.
 TARGET_PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
+COMBINE_SPLITS_BLOCK = 16  # splits the combine kernel reads at once
 
 
 @triton.jit
@@ -229,18 +240,21 @@ def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
              mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
-@triton.jit
+# Arguments that vary at run time are not specialized (Triton would otherwise compile a
+# variant per value of `== 1` and `% 16 == 0`): the block-table width, and the split count
+# with the workspace strides that follow from it.
+@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
-        stride_pt, stride_ph, stride_lt, stride_lh,
+        stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
         QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -249,8 +263,8 @@ def _unified_attention_kernel(
     over B1's decode batches (RESULTS.md "B1")."""
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(2)
-    kv_head = tl.program_id(1) // NUM_SPLITS
-    split = tl.program_id(1) % NUM_SPLITS
+    kv_head = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
@@ -270,7 +284,7 @@ def _unified_attention_kernel(
     first_pos = ctx_len - q_len + q_block * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, ctx_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     full_end = tl.minimum((first_pos + 1) // BLOCK_N, tile_end)
@@ -298,7 +312,7 @@ def _unified_attention_kernel(
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]              # [BLOCK_M, HEAD_DIM_PAD]
     if KV_FP8:  # every value row of this KV head had the same scale
         o = o * tl.load(v_scale_ptr + kv_head)
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
                     HEAD_DIM, HEAD_DIM_PAD)
     else:
@@ -308,25 +322,34 @@ def _unified_attention_kernel(
         tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
 def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
-                           stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
-                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """One program per (token, head): weight each split's output by its softmax mass."""
+                           stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
+                           SPLITS_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """One program per (token, head): weight each split's output by its softmax mass, over
+    the splits SPLITS_BLOCK at a time (online rescaling), so one compile serves any count."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    split_ok = splits < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + splits,
-                  mask=split_ok, other=float("-inf"))                        # [SPLITS_PAD]
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
-    part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph
-                   + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
-                   mask=split_ok[:, None], other=0.0)                          # [SPLITS_PAD, D]
-    o = tl.sum(part * weight[:, None], 0)                                      # [HEAD_DIM_PAD]
+    lse_row = part_lse_ptr + token * stride_lt + head * stride_lh
+    part_row = part_out_ptr + token * stride_pt + head * stride_ph
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for first in range(0, num_splits, SPLITS_BLOCK):
+        splits = first + tl.arange(0, SPLITS_BLOCK)
+        split_ok = splits < num_splits
+        lse = tl.load(lse_row + splits, mask=split_ok, other=float("-inf"))     # [SPLITS_BLOCK]
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys so far: weights 0, not NaN
+        alpha = tl.exp2(m - safe)
+        weight = tl.exp2(lse - safe)                                           # [SPLITS_BLOCK]
+        part = tl.load(part_row + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
+                       mask=split_ok[:, None], other=0.0)                      # [SPLITS_BLOCK, D]
+        acc = acc * alpha + tl.sum(part * weight[:, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
+        m = m_new
+    o = acc / total                                                            # [HEAD_DIM_PAD]
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims,
              o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -434,15 +457,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+            SPLITS_BLOCK=COMBINE_SPLITS_BLOCK,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
     return out
 

@@ -7,6 +7,10 @@ Unfused, each of these is several elementwise kernels per layer; in a decode ste
 that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
 inputs once and writes its outputs once. The math matches the torch versions in
 `kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does).
+
+Compiled variants, per model: RMSNorm with and without the residual, RoPE with the K/V store
+(the GPU path always stores), SiLU-and-mul, and the round advance (its row count is
+`do_not_specialize`); token counts are only grids. engine/warmup.py meets them all at start-up.
 """
 import torch
 import triton

@@ -17,6 +17,10 @@ Each row's U depends only on its seed, so seeded requests are reproducible whate
 is in the batch; unseeded rows get fresh seeds from the caller each step. (It replaced a
 Gumbel-max kernel, argmax(logits / T + G): that needed two logarithms and a share of a
 Philox call per element, and its random bits, not memory, bound it.)
+
+Compiled variants: one of each kernel per logits dtype (the model's, or float32 once a
+penalty, bias or token mask has been applied) and vocabulary size; the batch size is only
+the grid. engine/warmup.py's sampling profiles reach both dtypes at start-up.
 """
 import torch
 import triton

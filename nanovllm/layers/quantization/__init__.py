@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
-                                               set_shard_tags)
+from nanovllm.layers.quantization.base import (FusedMoEMethod, LinearMethod, QuantizationConfig,
+                                               UnquantizedLinearMethod, set_shard_tags)
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {}
 _building: QuantizationConfig | None = None  # the config of the model being built
@@ -81,11 +81,16 @@ def get_linear_method(layer: nn.Module) -> LinearMethod:
     return _building.get_linear_method(layer)
 
 
+def get_moe_method(layer: nn.Module) -> FusedMoEMethod | None:
+    """The method of a mixture-of-experts layer being constructed now; None: dense experts."""
+    return None if _building is None else _building.get_moe_method(layer)
+
+
 def process_weights_after_loading(model: nn.Module) -> None:
     """Let every layer's method turn its loaded weights into what it runs on."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(method, LinearMethod):
+        if isinstance(method, (LinearMethod, FusedMoEMethod)):
             method.process_weights_after_loading(module)
 
 
@@ -93,8 +98,8 @@ def _known() -> str:
     return ", ".join(sorted(QUANTIZATION_METHODS)) or "none yet"
 
 
-__all__ = ["LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS",
-           "building_with", "check_quantization_option", "get_linear_method", "get_quantization_config",
+__all__ = ["FusedMoEMethod", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS",
+           "building_with", "check_quantization_option", "get_linear_method", "get_moe_method", "get_quantization_config",
            "process_weights_after_loading", "register_quantization", "set_shard_tags"]
 
 

@@ -69,6 +69,24 @@ class UnquantizedLinearMethod(LinearMethod):
         return True
 
 
+class FusedMoEMethod:
+    """How one mixture-of-experts layer stores its experts and runs them: the experts'
+    counterpart of `LinearMethod` (layers/fused_moe.py has the dense one)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the experts' parameters: this rank's `intermediate_size` of each of `num_experts`."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once per layer after all weights are loaded (checkpoint or dummy)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden], topk_weights/ids [num_tokens, top_k] -> [num_tokens, hidden]."""
+        raise NotImplementedError
+
+
 class QuantizationConfig:
     """One engine's quantization: which `LinearMethod` each linear layer gets.
 
@@ -84,6 +102,10 @@ class QuantizationConfig:
 
     def get_linear_method(self, layer: nn.Module) -> LinearMethod:
         raise NotImplementedError
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethod:
+        """The method of a mixture-of-experts layer; a config without one refuses the model."""
+        raise ValueError(f"quantization {self.name!r} has no method for mixture-of-experts layers")
 
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError when this method cannot run on `device` (e.g. fp8 before sm_89)."""
