@@ -51,6 +51,7 @@ import torch
 
 from nanovllm.engine.cuda_graph import capture_sizes
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import kv_quant
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # model_runner imports this module
@@ -224,9 +225,9 @@ def _rng_kept(device: torch.device):
 
 
 def _zero_scratch(runner: ModelRunner) -> None:
-    for attn in runner._attention_layers():
-        attn.k_cache[:SCRATCH_BLOCKS].zero_()
-        attn.v_cache[:SCRATCH_BLOCKS].zero_()
+    for attn in runner._attention_layers():  # as bytes: an fp8 cache too (0 bytes are fp8 0.0)
+        kv_quant.as_bytes(attn.k_cache)[:SCRATCH_BLOCKS].zero_()
+        kv_quant.as_bytes(attn.v_cache)[:SCRATCH_BLOCKS].zero_()
 
 
 @contextmanager

@@ -77,20 +77,15 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
 
 
 @triton.jit
-def _store_cache_rows(row_ptr, x1, x2, scale_ptrs, mask, HALF: tl.constexpr, KV_FP8: tl.constexpr,
-                      FP8_MAX: tl.constexpr):
+def _store_fp8_rows(row_ptr, x1, x2, scale_ptrs, mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr):
     """Store the two halves [BLOCK_KH, HALF] of a token's heads at `row_ptr` (+ head offsets),
-    quantized with each head's scale (`scale_ptrs`: [BLOCK_KH, 1]) for an fp8 cache. A
-    function of its own: Triton's compiler refuses a variable whose type changes inside the
-    caller's run-time `if` (the interpreter does not check this)."""
+    quantized with each head's scale (`scale_ptrs`: [BLOCK_KH, 1]). A function of its own:
+    Triton's compiler refuses a variable whose type changes inside the caller's run-time
+    `if` (the interpreter does not check this)."""
     dims = tl.arange(0, HALF)[None, :]
-    if KV_FP8:
-        scale = tl.load(scale_ptrs, mask=mask, other=1.0)
-        tl.store(row_ptr + dims, quantize_fp8(x1, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
-        tl.store(row_ptr + HALF + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
-    else:
-        tl.store(row_ptr + dims, x1, mask=mask)
-        tl.store(row_ptr + HALF + dims, x2, mask=mask)
+    scale = tl.load(scale_ptrs, mask=mask, other=1.0)
+    tl.store(row_ptr + dims, quantize_fp8(x1, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+    tl.store(row_ptr + HALF + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
 
 
 @triton.jit
@@ -121,10 +116,16 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
             mask = heads < num_k_heads
             row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cr + heads * stride_ch
             v_row = v_ptr + token * stride_vt + heads * stride_vh
-            _store_cache_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, HALF, KV_FP8, FP8_MAX)
-            _store_cache_rows(v_cache_ptr + row, tl.load(v_row + dims, mask=mask),
-                              tl.load(v_row + HALF + dims, mask=mask), v_scale_ptr + heads, mask,
-                              HALF, KV_FP8, FP8_MAX)
+            if KV_FP8:
+                _store_fp8_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, HALF, FP8_MAX)
+                _store_fp8_rows(v_cache_ptr + row, tl.load(v_row + dims, mask=mask),
+                                tl.load(v_row + HALF + dims, mask=mask), v_scale_ptr + heads, mask,
+                                HALF, FP8_MAX)
+            else:
+                tl.store(k_cache_ptr + row + dims, k1, mask=mask)
+                tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
+                tl.store(v_cache_ptr + row + dims, tl.load(v_row + dims, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + row + HALF + dims, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -20,9 +20,10 @@ spread over that tensor's rows. Activations are quantized per token at run time
 left unquantized other than the LM head (which is never one of these layers).
 
 The product: per-channel weights run `torch._scaled_mm` (fp8 x fp8, rowwise scales,
-fp32 accumulate; it runs on CPU too, which is how CI tests it). Block-scaled weights are
-dequantized to the activation dtype per call (correct everywhere, but it moves the
-weight twice: a block-scaled GEMM kernel is the next step for speed).
+fp32 accumulate; it runs on CPU too, which is how CI tests it). Block-scaled weights run
+a Triton GEMM on the GPU (kernels/triton_fp8.py: bf16/fp16 activations times the fp8 weight
+tile, one scale per block; torch 2.11's block-wise `_scaled_mm` is not used, see
+benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dtype per call.
 """
 import torch
 import torch.nn.functional as F
@@ -90,8 +91,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.source == "block":
-            scale = expand_block_scales(layer.weight_scale_inv, self.block, layer.weight.shape)
-            return F.linear(x, (layer.weight.float() * scale).to(x.dtype), bias)
+            return self._apply_block(layer, x, bias)
         x2 = x.reshape(-1, x.shape[-1])                                   # [tokens, in]
         x_fp8, x_scale = quantize_rows(x2)                                # per token
         # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it there
@@ -101,6 +101,19 @@ class Fp8LinearMethod(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
+
+
+    def _apply_block(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Block-scaled weights: a Triton GEMM on the GPU (the weight read once, at one byte);
+        elsewhere the weight dequantized to x's dtype per call."""
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from nanovllm.kernels import triton_fp8
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            y = triton_fp8.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.block)
+            y = y if bias is None else y + bias
+            return y.view(*x.shape[:-1], -1)
+        scale = expand_block_scales(layer.weight_scale_inv, self.block, layer.weight.shape)
+        return F.linear(x, (layer.weight.float() * scale).to(x.dtype), bias)
 
 
 def _per_tensor_loader(layer: nn.Module):
