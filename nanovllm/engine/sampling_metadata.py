@@ -55,6 +55,9 @@ class SamplingMetadata:
     allowed_tokens: torch.Tensor | None = None  # [num_seqs, vocab] bool: False = never sampled
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     max_num_logprobs: int | None = None        # largest `logprobs` of a row; None: no row wants them
+    # structured outputs: [num_seqs, ceil(vocab / 32)] int32, bit j of word i allows token 32 i + j
+    # (every bit set in free rows); None when no row is constrained this step
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -68,6 +71,7 @@ class SamplingMetadata:
         metadata.banned_tokens = _banned_tokens(seqs, device)
         metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
         metadata.logit_bias = _logit_bias(seqs, device)
+        metadata.token_bitmask = _token_bitmask(seqs, vocab_size, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -183,6 +187,18 @@ def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tenso
     rows, token_ids, biases = zip(*entries)
     return (_tensor(rows, torch.int64, device), _tensor(token_ids, torch.int64, device),
             _tensor(biases, torch.float32, device))
+
+
+def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Structured outputs: the tokens each constrained row may sample next, from its matcher."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), -(-vocab_size // 32)), -1, dtype=torch.int32)  # [num_seqs, words]
+    for row in rows:
+        seqs[row].grammar.fill_bitmask(bitmask, row)
+    pin = device.type == "cuda"
+    return (bitmask.pin_memory() if pin else bitmask).to(device, non_blocking=pin)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
