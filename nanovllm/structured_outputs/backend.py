@@ -17,6 +17,9 @@ import threading
 from nanovllm.structured_outputs.params import StructuredOutputsParams
 
 BITS_PER_WORD = 32
+# JSON: the longest run of whitespace between two tokens (llama.cpp's JSON grammar allows
+# 20 too): models, and random ones always, can loop on whitespace where any is allowed
+MAX_JSON_WHITESPACE = 20
 # "[12:34:56] /project/cpp/regex_converter.cc:94: " and xgrammar's check prefix
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+\.(cc|h|cpp):\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
@@ -45,7 +48,7 @@ def parse_grammar(params: StructuredOutputsParams):
         if kind in ("json", "json_object"):  # json_object: any object, as vLLM compiles it
             schema = params.schema_text if kind == "json" else '{"type": "object"}'
             return xgr.Grammar.from_json_schema(schema, any_whitespace=not params.disable_any_whitespace,
-                                                strict_mode=True)
+                                                strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":

@@ -24,6 +24,8 @@ from nanovllm.sampling_params import SamplingParams
 # JSON has no -inf: a token with zero probability gets this logprob, as in vLLM.
 MIN_LOGPROB = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"
+# how the engine's errors about an output constraint start ("json: Unsupported type ...")
+CONSTRAINT_ERRORS = ("json:", "regex:", "choice:", "grammar:", "json_object:", "structured outputs")
 
 
 @dataclass
@@ -93,16 +95,18 @@ class OpenAIServing:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
-    async def submit(self, request_id: str, prompts: list[list[int]],
-                     params: SamplingParams) -> list[RequestStream]:
-        """Queue one engine request per prompt, or none: a bad prompt aborts those already queued."""
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     structured_param: str | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt, or none: a bad prompt aborts those already queued.
+        `structured_param`: the field an output constraint came from, named by its errors."""
         streams = []
         try:
             for i, token_ids in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.async_llm.add_request(sub_id, token_ids, params))
         except ValueError as e:
-            raise bad_request(str(e), _param_of(str(e), request_id)) from None
+            param = structured_param if str(e).startswith(CONSTRAINT_ERRORS) else _param_of(str(e), request_id)
+            raise bad_request(str(e), param) from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         finally:
