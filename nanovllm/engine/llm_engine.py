@@ -54,6 +54,7 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, **kwargs)
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()
+        self.generation_defaults = self._generation_defaults(source)
         self.max_model_len = self._max_model_len()
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
@@ -73,6 +74,23 @@ class LLMEngine:
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
         freeze_startup_heap()
+
+    @staticmethod
+    def _generation_defaults(source: ModelSource) -> dict:
+        """What a request that leaves sampling fields out gets (the model's generation_config.json)."""
+        defaults = source.generation_defaults()
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except ValueError as e:
+                raise ValueError(f"generation_config.json of {source.path}: {e}") from None
+            logger.info("sampling defaults from the model's generation_config.json: %s", defaults)
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's
+        get_default_sampling_params): what a call without SamplingParams uses."""
+        return SamplingParams(**self.generation_defaults)
 
     def _max_model_len(self) -> int:
         """Config.max_model_len, or the model's max_position_embeddings; never beyond what the
@@ -135,7 +153,7 @@ class LLMEngine:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
-        params = self._fit_params(token_ids, sampling_params or SamplingParams())
+        params = self._fit_params(token_ids, sampling_params or self.default_sampling_params())
         block_size = self.config.kvcache_block_size
         seqs = [Sequence(token_ids, self._sample_params(params, i), block_size) for i in range(params.n)]
         self._attach_grammars(seqs, params)

@@ -58,6 +58,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.metrics = metrics
         self._param_names = {f.name for f in fields(SamplingParams)}
+        self.generation_defaults = getattr(getattr(async_llm, "engine", None), "generation_defaults", {})
 
     @property
     def model_name(self) -> str:
@@ -75,12 +76,13 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     def sampling_params(self, kwargs: dict) -> SamplingParams:
-        """Build SamplingParams; an out-of-range value is a 400 naming it."""
+        """Build SamplingParams, the model's generation_config.json defaults under the request's
+        fields; an out-of-range value is a 400 naming it."""
         for name in kwargs:
             if name not in self._param_names:
                 raise bad_request(f"'{name}' is not supported by this engine", name)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**{**self.generation_defaults, **kwargs})
         except ValueError as e:
             first_word = str(e).split(" ", 1)[0]
             raise bad_request(str(e), first_word if first_word in kwargs else None) from None
@@ -165,6 +167,9 @@ def _param_of(message: str, request_id: str) -> str | None:
     named = next((f for f in (*SAMPLING_FIELDS, "max_tokens") if message.startswith((f"{f} ", f"{f}:"))), None)
     if named is not None:  # "n must be <= max_n ...", "stop_token_ids: token id 9 is outside ..."
         return named
+    for length_field in ("max_tokens", "min_tokens"):  # "prompt (9 tokens) + max_tokens (600) exceeds ..."
+        if f"+ {length_field} (" in message:
+            return length_field
     if message.startswith(("prompt", "the prompt", "token id", "sequence of")):
         return "messages" if request_id.startswith("chatcmpl") else "prompt"
     return None
