@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.layers.sampler import apply_token_bitmask
+from nanovllm.layers.sampler import apply_token_bitmask, apply_token_bitmask_torch
 from nanovllm.structured_outputs.params import MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH
 from smollm2_tokenizer import tiny_model_with_smollm2_tokenizer
 
@@ -93,6 +93,7 @@ def test_token_bitmask_keeps_exactly_the_set_bits():
     bitmask[1] = -1  # a free row
     logits = torch.randn(3, vocab, generator=gen)
     out = apply_token_bitmask(logits, bitmask)
+    assert torch.equal(out, apply_token_bitmask_torch(logits, bitmask))  # xgrammar's kernel == torch ops
     for row in range(3):
         for token in range(vocab):
             allowed = (int(bitmask[row, token // 32]) >> (token % 32)) & 1

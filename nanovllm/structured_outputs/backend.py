@@ -81,5 +81,6 @@ def new_matcher(compiled_grammar, stop_token_ids: list[int]):
     return _xgrammar().GrammarMatcher(compiled_grammar, override_stop_tokens=stop_token_ids)
 
 
-def words_per_row(vocab_size: int) -> int:
-    return -(-vocab_size // BITS_PER_WORD)
+def apply_token_bitmask_inplace(logits, bitmask) -> None:
+    """Set the logits of tokens the bitmask clears to -inf, in place (float32 CPU logits)."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask)
