@@ -15,6 +15,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, SamplerOutput, gather_logprobs
 from nanovllm.sampling_params import MAX_LOGPROBS
+from nanovllm.structured_outputs.backend import BITS_PER_WORD
 
 _MASK64 = (1 << 64) - 1
 
@@ -194,7 +195,7 @@ def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) 
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
     if not rows:
         return None
-    bitmask = torch.full((len(seqs), -(-vocab_size // 32)), -1, dtype=torch.int32)  # [num_seqs, words]
+    bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32)  # [num_seqs, words]
     for row in rows:
         seqs[row].grammar.fill_bitmask(bitmask, row)
     pin = device.type == "cuda"

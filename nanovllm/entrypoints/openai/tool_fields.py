@@ -48,9 +48,7 @@ def parse_tools(body: dict) -> ToolRequest | None:
     choice, named = _tool_choice(body.get("tool_choice", "auto" if tools else "none"), tools)
     if choice == "none" or not tools:
         return None
-    request = ToolRequest(tools, choice, named, parallel)
-    constraint = _constraint(request)
-    return ToolRequest(tools, choice, named, parallel, constraint)
+    return ToolRequest(tools, choice, named, parallel, _constraint(tools, choice, named, parallel))
 
 
 def _tools(value: Any) -> list[dict]:
@@ -99,16 +97,16 @@ def parameters_of(tools: list[dict], name: str) -> dict:
     return next(t["function"].get("parameters") or ANY_OBJECT for t in tools if t["function"]["name"] == name)
 
 
-def _constraint(request: ToolRequest) -> StructuredOutputsParams | None:
+def _constraint(tools: list[dict], choice: str, named: str | None, parallel: bool) -> StructuredOutputsParams | None:
     """The output constraint that enforces a "required" or named choice (vLLM's schemas)."""
-    if request.choice == "named":
-        schema = parameters_of(request.tools, request.named)
-    elif request.choice == "required":
+    if choice == "named":
+        schema = parameters_of(tools, named)
+    elif choice == "required":
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"type": "string", "enum": [name]},
-                                 "parameters": parameters_of(request.tools, name)}} for name in request.names]
+                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": parameters_of(tools, t["function"]["name"])}} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if not request.parallel:
+        if not parallel:
             schema["maxItems"] = 1
     else:
         return None
