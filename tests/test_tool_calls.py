@@ -295,3 +295,21 @@ def test_reasoning_content_and_the_constraint_after_it(async_llm):
         assert "reasoning_content" not in no_thinking.json()["choices"][0]["message"]  # the prompt closed it
     _run(_app(async_llm, reasoning_parser="deepseek_r1"), go)
     assert _free_blocks(async_llm)
+
+
+def test_a_template_that_ignores_tools_warns_and_named_calls_still_work(async_llm, caplog):
+    from nanovllm.entrypoints.openai.api_server import build_app
+    from nanovllm.entrypoints.openai.chat_template import load_chat_template
+    template = load_chat_template(None, async_llm.tokenizer)  # SmolLM2's: no `tools` in it
+    assert not template.mentions_tools
+    app = build_app(async_llm, [MODEL], template)
+    named = {"type": "function", "function": {"name": "get_time"}}
+
+    async def go(http, client):
+        return await client.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER, TIME],
+                                                    tool_choice=named, max_tokens=40, temperature=1.0, seed=8)
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        reply = _run(app, go)
+    assert any("ignores 'tools'" in r.getMessage() for r in caplog.records)
+    (call,) = reply.choices[0].message.tool_calls
+    jsonschema.validate(loads(call.function.arguments), TIME["function"]["parameters"])

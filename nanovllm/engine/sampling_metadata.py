@@ -15,7 +15,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, SamplerOutput, gather_logprobs
 from nanovllm.sampling_params import MAX_LOGPROBS
-from nanovllm.structured_outputs.backend import BITS_PER_WORD
+from nanovllm.structured_outputs.backend import BITS_PER_WORD, fill_bitmasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -86,7 +86,9 @@ class SamplingMetadata:
                    top_k=full(vocab_size - 1, torch.int64), max_top_k=vocab_size - 1, top_p=full(0.9),
                    min_p=full(0.01), output_counts=zeros, prompt_mask=zeros.bool(), repetition_penalties=full(1.1),
                    frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS,
-                   allowed_tokens=zeros.bool().logical_not_())
+                   allowed_tokens=zeros.bool().logical_not_(),
+                   token_bitmask=torch.full((num_seqs, -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32,
+                                            device=device))
 
     def _add_random(self, seqs: list[Sequence], greedy: list[bool], vocab_size: int,
                     device: torch.device) -> None:
@@ -196,8 +198,7 @@ def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) 
     if not rows:
         return None
     bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32)  # [num_seqs, words]
-    for row in rows:
-        seqs[row].grammar.fill_bitmask(bitmask, row)
+    fill_bitmasks([seqs[row].grammar.matcher for row in rows], bitmask, rows)
     pin = device.type == "cuda"
     return (bitmask.pin_memory() if pin else bitmask).to(device, non_blocking=pin)
 

@@ -81,6 +81,18 @@ def new_matcher(compiled_grammar, stop_token_ids: list[int]):
     return _xgrammar().GrammarMatcher(compiled_grammar, override_stop_tokens=stop_token_ids)
 
 
+_batch_matcher = None  # xgrammar's threaded bitmask filler, made at first use
+
+
+def fill_bitmasks(matchers: list, bitmask, rows: list[int]) -> None:
+    """Write each matcher's next-token bitmask into its row of `bitmask` ([rows, words] int32,
+    CPU), on xgrammar's threads (half the cores)."""
+    global _batch_matcher
+    if _batch_matcher is None:
+        _batch_matcher = _xgrammar().BatchGrammarMatcher()
+    _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+
+
 def apply_token_bitmask_inplace(logits, bitmask) -> None:
     """Set the logits of tokens the bitmask clears to -inf, in place (float32 CPU logits)."""
     _xgrammar().apply_token_bitmask_inplace(logits, bitmask)

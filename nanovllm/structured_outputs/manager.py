@@ -7,7 +7,8 @@ the engine loop never waits for a compile; compiled grammars are cached by their
 gets a `SequenceGrammar` (n > 1: one per sample) on `Sequence.grammar`:
 
 - the scheduler skips a waiting sequence while its grammar compiles (`is_ready`),
-- the sampler's metadata asks it for the next token bitmask (`fill_bitmask`),
+- the sampler's metadata fills the next token bitmasks from their matchers (all rows of a
+  step in one threaded call, backend.fill_bitmasks),
 - the engine feeds it every new token (`accept`), which says when the grammar is done.
 
 Preemption needs nothing: a preempted sequence keeps its tokens, and its matcher has
@@ -59,10 +60,6 @@ class SequenceGrammar:
         if self._matcher is None:
             self._matcher = backend.new_matcher(self.compiled.result(), self.stop_token_ids)
         return self._matcher
-
-    def fill_bitmask(self, bitmask, row: int) -> None:
-        """Write the tokens allowed next into row `row` of `bitmask` ([rows, words] int32)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Follow `token_id`; True once the grammar is complete (its stop token accepted).
