@@ -11,7 +11,8 @@ HF tokenizer directory; Qwen3's matches the model's vocabulary).
 CPU (--cpu-mask): the host's per-step cost of the masks at batch 64: 64 matchers on one
 schema walk random valid paths; per step, filling the 64 bitmask rows from the matchers
 (SamplingMetadata's `_token_bitmask`), applying them to [64, vocab] float32 logits
-(layers/sampler.py `apply_token_bitmask`), and each matcher accepting its token.
+(layers/sampler.py `apply_token_bitmask`), and each matcher accepting its token; beside
+them, one copy of the logits as a yardstick of the machine's speed at the time.
 
     python benchmarks/bench_structured.py --tokenizer DIR            # GPU, B1 half constrained
     python benchmarks/bench_structured.py --cpu-mask [--tokenizer DIR --vocab 151936]  # CPU, batch 64
@@ -74,8 +75,11 @@ def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
     seqs[0].grammar.compiled.result()
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(MASK_BATCH, vocab, generator=gen)
-    fill, apply, accept = [], [], []
+    fill, apply, accept, copy = [], [], [], []
     for _ in range(MASK_STEPS):
+        t = time.perf_counter()
+        logits.clone()  # a reference on the same machine: one pass over the logits
+        copy.append(time.perf_counter() - t)
         t0 = time.perf_counter()
         bitmask = _token_bitmask(seqs, vocab, torch.device("cpu"))
         t1 = time.perf_counter()
@@ -89,10 +93,11 @@ def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
         fill.append(t1 - t0), apply.append(t2 - t1), accept.append(t4 - t3)
     manager.shutdown()
     result = {name: round(statistics.median(values) * 1e3, 3) for name, values in
-              (("fill_ms", fill), ("apply_ms", apply), ("accept_ms", accept))}
+              (("fill_ms", fill), ("apply_ms", apply), ("accept_ms", accept), ("logits_copy_ms", copy))}
     result.update(batch=MASK_BATCH, vocab=vocab, steps=MASK_STEPS, threads=torch.get_num_threads())
     print(f"per step at batch {MASK_BATCH}, vocab {vocab} (medians of {MASK_STEPS} steps): fill "
-          f"{result['fill_ms']} ms, apply {result['apply_ms']} ms, accept {result['accept_ms']} ms")
+          f"{result['fill_ms']} ms, apply {result['apply_ms']} ms, accept {result['accept_ms']} ms "
+          f"(a copy of the logits: {result['logits_copy_ms']} ms)")
     return result
 
 
