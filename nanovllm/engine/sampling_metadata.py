@@ -15,6 +15,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import LogprobsTensors, SamplerOutput, gather_logprobs
 from nanovllm.sampling_params import MAX_LOGPROBS
+from nanovllm.structured_outputs.backend import BITS_PER_WORD, fill_bitmasks
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,6 +56,9 @@ class SamplingMetadata:
     allowed_tokens: torch.Tensor | None = None  # [num_seqs, vocab] bool: False = never sampled
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, biases
     max_num_logprobs: int | None = None        # largest `logprobs` of a row; None: no row wants them
+    # structured outputs: [num_seqs, ceil(vocab / 32)] int32, bit j of word i allows token 32 i + j
+    # (every bit set in free rows); None when no row is constrained this step
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -68,6 +72,7 @@ class SamplingMetadata:
         metadata.banned_tokens = _banned_tokens(seqs, device)
         metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
         metadata.logit_bias = _logit_bias(seqs, device)
+        metadata.token_bitmask = _token_bitmask(seqs, vocab_size, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -81,7 +86,9 @@ class SamplingMetadata:
                    top_k=full(vocab_size - 1, torch.int64), max_top_k=vocab_size - 1, top_p=full(0.9),
                    min_p=full(0.01), output_counts=zeros, prompt_mask=zeros.bool(), repetition_penalties=full(1.1),
                    frequency_penalties=full(0.1), presence_penalties=full(0.1), max_num_logprobs=MAX_LOGPROBS,
-                   allowed_tokens=zeros.bool().logical_not_())
+                   allowed_tokens=zeros.bool().logical_not_(),
+                   token_bitmask=torch.full((num_seqs, -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32,
+                                            device=device))
 
     def _add_random(self, seqs: list[Sequence], greedy: list[bool], vocab_size: int,
                     device: torch.device) -> None:
@@ -183,6 +190,17 @@ def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tenso
     rows, token_ids, biases = zip(*entries)
     return (_tensor(rows, torch.int64, device), _tensor(token_ids, torch.int64, device),
             _tensor(biases, torch.float32, device))
+
+
+def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Structured outputs: the tokens each constrained row may sample next, from its matcher."""
+    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
+    if not rows:
+        return None
+    bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32)  # [num_seqs, words]
+    fill_bitmasks([seqs[row].grammar.matcher for row in rows], bitmask, rows)
+    pin = device.type == "cuda"
+    return (bitmask.pin_memory() if pin else bitmask).to(device, non_blocking=pin)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

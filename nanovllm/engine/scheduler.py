@@ -12,7 +12,9 @@ Each step fills a budget of `max_num_batched_tokens` tokens and `max_num_seqs`
 sequences: running sequences first (oldest first), then waiting ones in arrival
 order. When the KV cache runs out, the newest running sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to be
-recomputed (cheaply, through the prefix cache) later.
+recomputed (cheaply, through the prefix cache) later. A waiting sequence whose
+structured-output grammar is still compiling is skipped (vLLM's WAITING_FOR_FSM): the
+ones behind it may go first; it keeps its place in the queue.
 """
 from collections import deque
 from typing import Callable
@@ -79,7 +81,7 @@ class Scheduler:
                 budget -= self._schedule(seq, num_tokens, scheduled)
         if self.num_preemptions == num_preemptions:  # no room was short: admit newcomers
             self._admit_waiting(budget, scheduled)
-        if not scheduled and not self.is_finished():
+        if not scheduled and not self.is_finished() and not any(s.waiting_for_grammar for s in self.waiting):
             raise RuntimeError(f"no sequence fits in the KV cache ({self.block_manager.num_free_blocks} of "
                                f"{self.block_manager.num_blocks} blocks free): leaked blocks?")
         return scheduled
@@ -122,8 +124,12 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[Sequence]) -> None:
+        compiling: list[Sequence] = []  # skipped, and put back in front in their order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.waiting_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             if not self._parent_prefilled(seq):
                 break  # its sibling's prompt is still being computed
             num_new = seq.num_uncomputed_tokens - self._cached_tokens(seq)
@@ -134,6 +140,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             budget -= self._schedule(seq, num_tokens, scheduled)
+        self.waiting.extendleft(reversed(compiling))
 
     def _parent_prefilled(self, seq: Sequence) -> bool:
         parent = self._prefill_parents.get(seq.seq_id)

@@ -44,6 +44,7 @@ class Sequence:
         self.num_cached_tokens = 0      # of those, taken from the prefix cache at the first admission
         self.admitted = False           # True once the sequence first got KV blocks
         self.num_scheduled_tokens = 0   # tokens computed in the current step
+        self.grammar = None             # structured outputs: a SequenceGrammar, set by the engine
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -84,6 +85,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """True until every prompt token (and any token to recompute) is in the cache."""
         return self.num_uncomputed_tokens > 1 or self.num_completion_tokens == 0
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        """True while this sequence's structured-output grammar is still compiling."""
+        return self.grammar is not None and not self.grammar.is_ready
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block i."""

@@ -13,6 +13,10 @@ sampler's distribution, without writing any [num_seqs, vocab] matrix. Two launch
    scanned again for the token. Greedy rows (temperature 0) take the first chunk argmax:
    ties go to the lowest index, as torch's argmax.
 
+With a grammar bitmask (structured outputs: int32 words, bit j of word i allows token
+32 i + j), both passes read a column's bit beside its logit and treat a disallowed token
+as -inf, so constrained and free rows share the launches (free rows' words are all ones).
+
 Each row's U depends only on its seed, so seeded requests are reproducible whatever else
 is in the batch; unseeded rows get fresh seeds from the caller each step. (It replaced a
 Gumbel-max kernel, argmax(logits / T + G): that needed two logarithms and a share of a
@@ -40,15 +44,21 @@ def _inverse(temperature, greedy):
 
 
 @triton.jit
-def _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t):
-    """logits / T of some columns of a row in float32 (-inf past the vocabulary); greedy rows unscaled."""
-    x = tl.load(logits_row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+def _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t, mask_row_ptr, HAS_MASK: tl.constexpr):
+    """logits / T of some columns of a row in float32 (-inf past the vocabulary and where the
+    row's bitmask clears the token); greedy rows unscaled."""
+    inside = cols < vocab_size
+    x = tl.load(logits_row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        words = tl.load(mask_row_ptr + cols // 32, mask=inside, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
     return tl.where(greedy, x, x * inv_t)
 
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, argmax_ptr,
-                        vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        vocab_size, num_chunks, mask_ptr, mask_stride,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
     """Program (row, chunk): max of z = logits / T over the chunk, sum of exp(z - max), first argmax."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -56,13 +66,14 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, 
     greedy = temperature == 0.0
     inv_t = _inverse(temperature, greedy)
     logits_row_ptr = logits_ptr + row * stride
+    mask_row_ptr = mask_ptr + row * mask_stride
     lanes = tl.arange(0, BLOCK)
     best = tl.full((BLOCK,), float("-inf"), tl.float32)   # running max per lane
     mass = tl.zeros((BLOCK,), tl.float32)                 # sum of exp(z - best) per lane
     best_index = tl.zeros((BLOCK,), tl.int32)
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + lanes
-        z = _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t)
+        z = _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t, mask_row_ptr, HAS_MASK)
         new_best = tl.maximum(best, z)
         safe = tl.where(new_best == float("-inf"), 0.0, new_best)  # all -inf so far: no mass, no NaN
         mass = mass * tl.exp2((best - safe) * LOG2E) + tl.exp2((z - safe) * LOG2E)
@@ -80,7 +91,8 @@ def _chunk_stats_kernel(logits_ptr, stride, temperature_ptr, max_ptr, mass_ptr, 
 
 @triton.jit
 def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_ptr, argmax_ptr, out_ptr,
-                 vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+                 vocab_size, num_chunks, mask_ptr, mask_stride, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 CHUNKS_PAD: tl.constexpr, HAS_MASK: tl.constexpr):
     """Program per row: greedy rows take the first chunk argmax; the others the token where the
     cumulative mass passes U x total, U uniform from the row's seed."""
     row = tl.program_id(0).to(tl.int64)
@@ -104,13 +116,15 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_pt
         chosen = tl.minimum(tl.sum((below <= target).to(tl.int32), axis=0), last)
         left = target - tl.sum(tl.where(chunks == chosen, below - weight, 0.0), axis=0)  # mass to go in it
         logits_row_ptr = logits_ptr + row * stride
+        mask_row_ptr = mask_ptr + row * mask_stride
         lanes = tl.arange(0, BLOCK)
         seen = tl.zeros((), tl.float32)
         token = tl.full((), -1, tl.int32)
         fallback = tl.load(argmax_ptr + row * num_chunks + chosen)  # the chunk's top token: p > 0 if weight > 0
         for offset in range(0, CHUNK, BLOCK):
             cols = chosen * CHUNK + offset + lanes
-            p = tl.exp2((_scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t) - row_top) * LOG2E)
+            z = _scaled(logits_row_ptr, cols, vocab_size, greedy, inv_t, mask_row_ptr, HAS_MASK)
+            p = tl.exp2((z - row_top) * LOG2E)
             passed = (seen + tl.cumsum(p, axis=0) > left) & (p > 0.0)
             hit = tl.min(tl.where(passed, cols, vocab_size), axis=0)
             token = tl.where((token < 0) & (hit < vocab_size), hit, token)
@@ -120,10 +134,14 @@ def _pick_kernel(logits_ptr, stride, temperature_ptr, seed_ptr, max_ptr, mass_pt
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [num_seqs, vocab] (any float dtype, rows may be strided); temperature: [num_seqs]
-    float32, 0 for greedy rows; seeds: [num_seqs] int64 -> sampled token ids [num_seqs] int64."""
+    float32, 0 for greedy rows; seeds: [num_seqs] int64; bitmask: None or [num_seqs,
+    ceil(vocab / 32)] int32, the tokens each row may draw -> sampled token ids [num_seqs] int64."""
     assert logits.stride(1) == 1 and temperature.dtype == torch.float32 and seeds.dtype == torch.int64
+    assert bitmask is None or (bitmask.dtype == torch.int32 and bitmask.stride(1) == 1
+                               and bitmask.shape == (logits.shape[0], triton.cdiv(logits.shape[1], 32)))
     num_seqs, vocab_size = logits.shape
     block = min(BLOCK, triton.next_power_of_2(vocab_size))
     chunk = min(MAX_CHUNK, triton.cdiv(vocab_size, block) * block)
@@ -132,9 +150,13 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     mass = torch.empty_like(top)
     argmax = torch.empty(num_seqs, num_chunks, dtype=torch.int32, device=logits.device)
     tokens = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
+    has_mask = bitmask is not None
+    mask, mask_stride = (bitmask, bitmask.stride(0)) if has_mask else (seeds, 0)  # unread without a mask
     _chunk_stats_kernel[(num_seqs, num_chunks)](
-        logits, logits.stride(0), temperature, top, mass, argmax, vocab_size, num_chunks, CHUNK=chunk, BLOCK=block)
+        logits, logits.stride(0), temperature, top, mass, argmax, vocab_size, num_chunks, mask, mask_stride,
+        CHUNK=chunk, BLOCK=block, HAS_MASK=has_mask)
     _pick_kernel[(num_seqs,)](
         logits, logits.stride(0), temperature, seeds, top, mass, argmax, tokens, vocab_size, num_chunks,
-        CHUNK=chunk, BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)))
+        mask, mask_stride, CHUNK=chunk, BLOCK=block, CHUNKS_PAD=max(2, triton.next_power_of_2(num_chunks)),
+        HAS_MASK=has_mask)
     return tokens

@@ -24,6 +24,8 @@ from contextlib import asynccontextmanager
 
 from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_response, install_error_handlers
+from nanovllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_config
+from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
                                                   parse_detokenize_request, parse_tokenize_request)
 
@@ -59,6 +61,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between throughput lines in the log; 0 disables them")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let the model call tools itself (tool_choice 'auto'); needs --tool-call-parser")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="how this model family writes tool calls (hermes: Hermes/Qwen <tool_call>; "
+                             "llama3_json: Llama 3 JSON)")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split a thinking model's <think>...</think> into reasoning_content")
     add_engine_args(parser.add_argument_group("engine"))
     return parser
 
@@ -130,14 +139,16 @@ class ServerState:
     """What the routes share: the engine, the handlers, metrics and the security settings."""
 
     def __init__(self, async_llm, served_model_names: list[str], chat_template, api_key: str | None,
-                 max_request_body_bytes: int):
+                 max_request_body_bytes: int, tool_parser: str | None = None, reasoning_parser: str | None = None):
         from nanovllm.entrypoints.openai.metrics import ServerMetrics
         from nanovllm.entrypoints.openai.serving_chat import OpenAIServingChat
         from nanovllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
         self.async_llm = async_llm
         self.metrics = ServerMetrics()
         self.completion = OpenAIServingCompletion(async_llm, served_model_names, self.metrics)
-        self.chat = OpenAIServingChat(async_llm, served_model_names, self.metrics, chat_template)
+        reasoning = None if reasoning_parser is None else reasoning_config(reasoning_parser, async_llm.tokenizer)
+        self.chat = OpenAIServingChat(async_llm, served_model_names, self.metrics, chat_template, tool_parser,
+                                      reasoning)
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_request_body_bytes = max_request_body_bytes
         self.sse_response = sse_response_class()
@@ -167,8 +178,11 @@ class ServerState:
 
 
 def build_app(async_llm, served_model_names: list[str], chat_template=None, api_key: str | None = None,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
-    """The FastAPI app serving `async_llm`; its shutdown stops the engine."""
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_parser: str | None = None,
+              reasoning_parser: str | None = None):
+    """The FastAPI app serving `async_llm`; its shutdown stops the engine. `tool_parser`: the
+    parser of tool_choice "auto" (None: "auto" is refused); `reasoning_parser`: a name of
+    reasoning_parsers.py (ValueError if this tokenizer lacks its tags)."""
     from fastapi import Depends, FastAPI, Request
     from nanovllm import __version__
 
@@ -177,7 +191,8 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
         yield
         async_llm.shutdown()
 
-    state = ServerState(async_llm, served_model_names, chat_template, api_key, max_request_body_bytes)
+    state = ServerState(async_llm, served_model_names, chat_template, api_key, max_request_body_bytes,
+                        tool_parser, reasoning_parser)
     app = FastAPI(title="nano-vLLM OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
@@ -264,6 +279,8 @@ def _add_info_routes(app, state: ServerState, guarded: list) -> None:
 def main(args: argparse.Namespace) -> None:
     """Load the engine, then serve until SIGTERM/SIGINT. A bad setting exits with one line."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("nanovllm serve: error: --enable-auto-tool-choice and --tool-call-parser go together")
     try:
         import uvicorn
         from nanovllm.engine.async_llm import AsyncLLM
@@ -272,13 +289,14 @@ def main(args: argparse.Namespace) -> None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
         async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
+        names = args.served_model_name or [default_model_name(args.model, async_llm)]
+        app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
+                        args.tool_call_parser, args.reasoning_parser)
     except ImportError as e:
         raise SystemExit(f"nanovllm serve: error: the server needs fastapi, uvicorn and jinja2 "
                          f"(pip install fastapi uvicorn jinja2): {e}") from None
     except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
-    names = args.served_model_name or [default_model_name(args.model, async_llm)]
-    app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes)
     logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
                 async_llm.engine.block_manager.num_blocks)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

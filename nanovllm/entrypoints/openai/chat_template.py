@@ -28,6 +28,7 @@ class ChatTemplate:
             raise ValueError(f"the chat template does not compile: {e}") from e
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        self.mentions_tools = "tools" in source  # a template that never reads `tools` cannot show them
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text of a conversation; `kwargs` (chat_template_kwargs) may override the defaults."""

@@ -1,5 +1,8 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
+`code` is a string or null, as OpenAI's API has it ("model_not_found", "invalid_api_key",
+...; vLLM sends the status as an int, which clients written for OpenAI do not expect).
+
 Handlers raise `APIError` (or a helper below) for anything the client got wrong;
 `install_error_handlers` turns it, Starlette's own HTTP errors (unknown route,
 wrong method) and any unexpected exception into that body with the right status.
@@ -32,8 +35,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     err_type = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": err_type, "param": param,
-                      "code": code if code is not None else status}}
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None):

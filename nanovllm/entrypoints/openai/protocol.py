@@ -4,21 +4,23 @@ Each `parse_*` function takes the decoded JSON object and returns a small
 dataclass, or raises a 400 `APIError` naming the field at fault. This module
 checks shapes and types; value ranges (top_p in (0, 1], ...) are checked once, by
 `SamplingParams`, whose ValueError the server passes on as a 400. A field the
-server does not support (`tools`, `response_format`, ...) is a 400
-naming it: nothing a client sends is silently ignored. A JSON `null` means "the
+server does not support is a 400 naming it: nothing a client sends is silently
+ignored. Output constraints (`response_format`, `structured_outputs`, `guided_*`) are
+read by structured_fields.py, `tools` and `tool_choice` by tool_fields.py. A JSON `null` means "the
 default", as in OpenAI's API.
 """
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nanovllm.entrypoints.openai import structured_fields, tool_fields
 from nanovllm.entrypoints.openai.errors import bad_request
 
 # OpenAI allows up to 20 top logprobs per token (chat's `top_logprobs`); vLLM
 # applies the same cap to the completions API's `logprobs`.
 MAX_LOGPROBS = 20
-# Chat roles a template can render. Tool messages are not supported (no tool calls).
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_KEYS = ("role", "content", "name")
+# Chat roles a template can render.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 # The completions API's default `max_tokens`, as OpenAI and vLLM (chat has no default cap).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Longest repr of a bad value quoted back in an error message.
@@ -115,10 +117,10 @@ SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "include_stop_str_in_output": check_bool, "skip_special_tokens": check_bool,
     "logit_bias": check_logit_bias, "allowed_token_ids": check_int_list,
 }
-COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", *SAMPLING_FIELDS)
+COMMON_FIELDS = ("model", "stream", "stream_options", "max_tokens", *SAMPLING_FIELDS, *structured_fields.FIELDS)
 COMPLETION_FIELDS = frozenset((*COMMON_FIELDS, "prompt", "echo", "logprobs"))
 CHAT_FIELDS = frozenset((*COMMON_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                         "chat_template_kwargs"))
+                         "chat_template_kwargs", *tool_fields.FIELDS))
 
 
 # ---- parsed requests -------------------------------------------------------------
@@ -132,6 +134,7 @@ class CompletionRequest:
     echo: bool = False
     logprobs: int | None = None        # top alternatives per token; None: no logprobs
     sampling: dict = field(default_factory=dict)   # SamplingParams keyword arguments
+    structured_param: str | None = None  # the field the output constraint came from
 
 
 @dataclass
@@ -143,6 +146,8 @@ class ChatCompletionRequest:
     top_logprobs: int | None = None    # None: no logprobs
     chat_template_kwargs: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
+    structured_param: str | None = None
+    tools: tool_fields.ToolRequest | None = None  # None: no tools, or tool_choice "none"
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:
@@ -157,6 +162,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     req.sampling = _sampling(body, body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), req.logprobs)
     if req.echo and req.logprobs is not None:
         req.sampling["prompt_logprobs"] = req.logprobs
+    req.structured_param = _add_constraint(body, req.sampling)
     return req
 
 
@@ -171,7 +177,22 @@ def parse_chat_request(body: dict) -> ChatCompletionRequest:
     # No default cap for chat (as OpenAI): None lets the engine fill the context.
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     req.sampling = _sampling(body, max_tokens, req.top_logprobs)
+    req.structured_param = _add_constraint(body, req.sampling)
+    req.tools = tool_fields.parse_tools(body)
+    if req.tools is not None and req.tools.constraint is not None:
+        if req.structured_param is not None:
+            raise bad_request(f"tool_choice {req.tools.choice!r} constrains the output: it cannot be combined "
+                              f"with '{req.structured_param}'", "tool_choice")
+        req.sampling["structured_outputs"], req.structured_param = req.tools.constraint, "tool_choice"
     return req
+
+
+def _add_constraint(body: dict, sampling: dict) -> str | None:
+    """Put the body's output constraint into the SamplingParams kwargs; returns its field."""
+    constraint, param = structured_fields.parse_structured_outputs(body)
+    if constraint is not None:
+        sampling["structured_outputs"] = constraint
+    return param
 
 
 def _present(body: dict, known: frozenset) -> dict:
@@ -248,9 +269,17 @@ def _message(name: str, value: Any) -> dict:
     if role not in CHAT_ROLES:
         raise bad_request(f"'{name}.role' must be one of {', '.join(CHAT_ROLES)}; got {_quote(role)}",
                           f"{name}.role")
-    message = {"role": role, "content": _content(f"{name}.content", value.get("content"))}
+    calls = tool_fields.check_message_tool_calls(f"{name}.tool_calls", value.get("tool_calls"), role)
+    content = value.get("content")
+    message = {"role": role, "content": "" if content is None and calls else _content(f"{name}.content", content)}
     if "name" in value:
         message["name"] = check_str(f"{name}.name", value["name"])
+    if calls:
+        message["tool_calls"] = calls
+    if role == "tool":
+        message["tool_call_id"] = check_str(f"{name}.tool_call_id", value.get("tool_call_id"))
+    elif "tool_call_id" in value:
+        raise bad_request(f"'{name}.tool_call_id' belongs to tool messages only", f"{name}.tool_call_id")
     return message
 
 

@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(req.sampling)
         prompts = [self._prompt_input(p) for p in req.prompts]
         request_id = new_request_id("cmpl")
-        streams = await self.submit(request_id, [p.token_ids for p in prompts], params)
+        streams = await self.submit(request_id, [p.token_ids for p in prompts], params, req.structured_param)
         include_usage = req.include_usage or not req.stream
         chunks = self._chunks(request_id, req, prompts, self.merged(streams), params.n, include_usage)
         if req.stream:

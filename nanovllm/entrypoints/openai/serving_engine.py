@@ -24,6 +24,8 @@ from nanovllm.sampling_params import SamplingParams
 # JSON has no -inf: a token with zero probability gets this logprob, as in vLLM.
 MIN_LOGPROB = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"
+# how the engine's errors about an output constraint start ("json: Unsupported type ...")
+CONSTRAINT_ERRORS = ("json:", "regex:", "choice:", "grammar:", "json_object:", "structured outputs")
 
 
 @dataclass
@@ -56,6 +58,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.metrics = metrics
         self._param_names = {f.name for f in fields(SamplingParams)}
+        self.generation_defaults = getattr(getattr(async_llm, "engine", None), "generation_defaults", {})
 
     @property
     def model_name(self) -> str:
@@ -73,12 +76,13 @@ class OpenAIServing:
                            "model", "model_not_found")
 
     def sampling_params(self, kwargs: dict) -> SamplingParams:
-        """Build SamplingParams; an out-of-range value is a 400 naming it."""
+        """Build SamplingParams, the model's generation_config.json defaults under the request's
+        fields; an out-of-range value is a 400 naming it."""
         for name in kwargs:
             if name not in self._param_names:
                 raise bad_request(f"'{name}' is not supported by this engine", name)
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**{**self.generation_defaults, **kwargs})
         except ValueError as e:
             first_word = str(e).split(" ", 1)[0]
             raise bad_request(str(e), first_word if first_word in kwargs else None) from None
@@ -93,16 +97,18 @@ class OpenAIServing:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
-    async def submit(self, request_id: str, prompts: list[list[int]],
-                     params: SamplingParams) -> list[RequestStream]:
-        """Queue one engine request per prompt, or none: a bad prompt aborts those already queued."""
+    async def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                     structured_param: str | None = None) -> list[RequestStream]:
+        """Queue one engine request per prompt, or none: a bad prompt aborts those already queued.
+        `structured_param`: the field an output constraint came from, named by its errors."""
         streams = []
         try:
             for i, token_ids in enumerate(prompts):
                 sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.async_llm.add_request(sub_id, token_ids, params))
         except ValueError as e:
-            raise bad_request(str(e), _param_of(str(e), request_id)) from None
+            param = structured_param if str(e).startswith(CONSTRAINT_ERRORS) else _param_of(str(e), request_id)
+            raise bad_request(str(e), param) from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
         finally:
@@ -161,6 +167,9 @@ def _param_of(message: str, request_id: str) -> str | None:
     named = next((f for f in (*SAMPLING_FIELDS, "max_tokens") if message.startswith((f"{f} ", f"{f}:"))), None)
     if named is not None:  # "n must be <= max_n ...", "stop_token_ids: token id 9 is outside ..."
         return named
+    for length_field in ("max_tokens", "min_tokens"):  # "prompt (9 tokens) + max_tokens (600) exceeds ..."
+        if f"+ {length_field} (" in message:
+            return length_field
     if message.startswith(("prompt", "the prompt", "token id", "sequence of")):
         return "messages" if request_id.startswith("chatcmpl") else "prompt"
     return None
