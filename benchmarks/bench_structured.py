@@ -26,6 +26,8 @@ import time
 
 import torch
 
+WARMUP_PROMPTS = 2  # the untimed warm-up: one constrained request and one free one
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
@@ -35,7 +37,7 @@ MASK_BATCH, MASK_STEPS = 64, 64
 
 
 def gpu_b1(tokenizer: str, small: bool) -> dict:
-    from bench_offline import QWEN3_0_6B, SMALL, WARMUP_PROMPTS, WARMUP_TOKENS, model_dir, workload
+    from bench_offline import QWEN3_0_6B, SMALL, WARMUP_TOKENS, model_dir, workload
     cfg = SMALL if small else QWEN3_0_6B
     n, max_in, max_out = (16, 64, 64) if small else (256, 1024, 1024)
     prompts, params = workload(n, max_in, max_out)

@@ -19,6 +19,7 @@ from tiny_models import random_prompts
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+TOP_LOGPROBS = 5  # vLLM's check_logprobs_close: at a divergence, each token in the other's top-5
 TEACHER = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 ENGINE = dict(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=256,
               num_kvcache_blocks=64, max_num_seqs=8)
@@ -27,6 +28,21 @@ MEAN_LOGPROB_ATOL = {"kv": 0.2, "weights": 0.5}  # 2x the CPU fp32 bounds (see t
 
 def _ids(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _ids_and_tops(llm: LLM, prompts) -> list[tuple[list[int], list[set[int]]]]:
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    return [(o.outputs[0].token_ids, [set(step) for step in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_greedy_close(ours, ref) -> None:
+    """Equal ids, or equal up to a near tie: at the first divergence each side's token is in
+    the other's top-5 (bf16 sums in another order may flip a tie; a bug changes more)."""
+    for (ids, tops), (ref_ids, ref_tops) in zip(ours, ref):
+        at = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), None)
+        if at is not None:
+            assert ids[at] in ref_tops[at] and ref_ids[at] in tops[at], f"diverged at {at}: {ids} vs {ref_ids}"
 
 
 def _prompt_logprobs(llm: LLM, prompts) -> torch.Tensor:
@@ -49,7 +65,9 @@ def test_fp8_engine_on_the_gpu(tiny_model, what, options):
     assert _ids(graphs, prompts) == expected  # the second time from the prefix cache
     assert graphs.llm_engine.block_manager.num_prefix_hit_tokens >= 3 * 16
     assert _ids(LLM(path, **ENGINE, **options, enforce_eager=True), prompts) == expected
-    assert _ids(LLM(path, **ENGINE, **options, max_num_batched_tokens=16), prompts) == expected
+    # chunked prefill runs the prompt's attention in other tiles, so bf16 may flip a near tie
+    _assert_greedy_close(_ids_and_tops(LLM(path, **ENGINE, **options, max_num_batched_tokens=16), prompts),
+                         _ids_and_tops(graphs, prompts))
     teacher = random_prompts([40, 75, 120], seed=4)
     ref = _prompt_logprobs(LLM(path, **ENGINE, enable_prefix_caching=False), teacher)
     ours = _prompt_logprobs(LLM(path, **ENGINE, **options, enable_prefix_caching=False), teacher)

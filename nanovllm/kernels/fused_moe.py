@@ -57,6 +57,15 @@ TILE_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
 )
 
 
+# The table's pipelines are sized for 2-byte inputs; fp32 tiles (parity tests) take twice the
+# shared memory, and 3-4 stages of the larger tiles overflow an H200's 227 KiB.
+FP32_MAX_STAGES = 2
+
+
+def _num_stages(cfg: TileConfig, dtype: torch.dtype) -> int:
+    return cfg.num_stages if dtype.itemsize <= 2 else min(cfg.num_stages, FP32_MAX_STAGES)
+
+
 def tile_config(num_tokens: int) -> TileConfig:
     return next(config for bound, config in TILE_CONFIGS if num_tokens <= bound)
 
@@ -270,7 +279,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     num_rows = sorted_ids.numel()
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models: exact products
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=_num_stages(cfg, x.dtype))
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (num_rows // cfg.block_m * triton.cdiv(inter, cfg.block_n),)
     _moe_gate_up_kernel[grid](x, w13, h, sorted_ids, expert_ids, num_padded, num_pairs, num_rows, inter, hidden,
