@@ -212,3 +212,15 @@ def test_invalid_constraints_are_plain_value_errors_and_the_engine_goes_on(llm, 
     assert not llm.llm_engine.has_unfinished_requests()
     _assert_no_leak(llm)
     assert _texts(llm, ["a"], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_chat_passes_tools_to_the_template(llm):
+    tok = llm.get_tokenizer()
+    saved, tok.chat_template = tok.chat_template, "{% for t in tools %}{{ t.function.name }} {% endfor %}" \
+                                                  "{{ messages[0].content }}"
+    try:
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                       tools=[{"type": "function", "function": {"name": "f1"}}])
+    finally:
+        tok.chat_template = saved
+    assert out[0].prompt == "f1 hi"
