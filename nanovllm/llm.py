@@ -80,14 +80,18 @@ class LLM:
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             stream: bool = False) -> list[RequestOutput] | Iterator[RequestOutput]:
+             stream: bool = False, tools: list[dict] | None = None) -> list[RequestOutput] | Iterator[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template.
 
         `messages` is one conversation (a list of {"role", "content"} dicts) or a list
         of them (a batch). `chat_template_kwargs` go to the template (for example
-        Qwen3's `enable_thinking`). Returns as `generate` does.
+        Qwen3's `enable_thinking`); `tools` (OpenAI function tools) go to it as HF's `tools=`.
+        Returns as `generate` does.
         """
-        prompts = [self._chat_prompt(c, add_generation_prompt, chat_template_kwargs or {})
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        prompts = [self._chat_prompt(c, add_generation_prompt, kwargs)
                    for c in _as_conversations(messages)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, stream=stream)
 

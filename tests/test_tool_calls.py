@@ -7,6 +7,7 @@ outputs valid, and the tests check validity and relations (stream == folded resp
 never fixed outputs. The parsers are also tested alone on known text.
 """
 import asyncio
+import copy
 import functools
 import json
 import re
@@ -49,7 +50,7 @@ TOOL_TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    tokenizer = smollm2_tokenizer()
+    tokenizer = copy.deepcopy(smollm2_tokenizer())  # the cached one is shared with other test modules
     tokenizer.add_tokens(["<think>", "</think>"])  # plain added tokens: the text keeps them
     path = str(tmp_path_factory.mktemp("tiny-tools"))
     build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
@@ -147,6 +148,17 @@ def test_reasoning_parser(state, text, expected):
             reasoning, content = reasoning + r, content + c
         r, c = parser.finish()
         assert (reasoning + r, content + c) == expected
+
+
+def test_reasoning_parsers_need_their_tags_as_tokens(async_llm):
+    from nanovllm.entrypoints.openai.reasoning_parsers import reasoning_config
+    config = reasoning_config("qwen3", async_llm.tokenizer)  # this tokenizer has both tags
+    assert config.prompt_ends_reasoning([5, config.start_token_id, 7, config.end_token_id])
+    assert not config.prompt_ends_reasoning([config.end_token_id, 3, config.start_token_id, 9])
+    with pytest.raises(ValueError, match="<think> is not one token"):
+        reasoning_config("deepseek_r1", smollm2_tokenizer())
+    with pytest.raises(ValueError, match="unknown reasoning parser 'granite'"):
+        reasoning_config("granite", async_llm.tokenizer)
 
 
 # ---- structured outputs through the server ------------------------------------------------

@@ -197,10 +197,11 @@ def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) 
     rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
     if not rows:
         return None
-    bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32)  # [num_seqs, words]
+    pin = device.type == "cuda"  # filled in pinned memory, copied without a sync
+    bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32,
+                         pin_memory=pin)  # [num_seqs, words]
     fill_bitmasks([seqs[row].grammar.matcher for row in rows], bitmask, rows)
-    pin = device.type == "cuda"
-    return (bitmask.pin_memory() if pin else bitmask).to(device, non_blocking=pin)
+    return bitmask.to(device, non_blocking=pin)
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
