@@ -31,6 +31,7 @@ WARMUP_PROMPTS = 2  # the untimed warm-up: one constrained request and one free 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
 UNBOUNDED = {"type": "array", "items": {"type": "string"}}
 MASK_BATCH, MASK_STEPS = 64, 64
@@ -46,6 +47,7 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
                                   structured_outputs=constraint if i % 2 == 0 else None)
                    for i, p in enumerate(params)]
     llm = LLM(model_dir(cfg), load_format="dummy", tokenizer=tokenizer, max_model_len=4096)
+    variants = VariantCounter().__enter__()  # Triton variants first met after start-up: should be none
     warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=WARMUP_TOKENS, structured_outputs=c)
             for c in (constraint, None) * (WARMUP_PROMPTS // 2)]
     llm.generate([[i + 1] * 50 for i in range(WARMUP_PROMPTS)], warm, use_tqdm=False)
@@ -57,6 +59,9 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         result[name] = {"seconds": round(seconds, 3), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 1)}
         print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
+    variants.__exit__()
+    result["variants_after_start"] = len(variants.names)
+    print(f"Triton kernel variants first met after start-up: {len(variants.names)} {variants.names}")
     result["ratio"] = round(result["half_json"]["tok_per_s"] / result["unconstrained"]["tok_per_s"], 3)
     print(f"half-constrained / unconstrained throughput: {result['ratio']}")
     return result

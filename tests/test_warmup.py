@@ -6,8 +6,8 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graph import capture_sizes
-from nanovllm.engine.warmup import (MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter, compile_progress,
-                                    warm_up_kernels, warmup_steps)
+from nanovllm.engine.warmup import (GRAMMAR_PROFILES, MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter,
+                                    compile_progress, warm_up_kernels, warmup_steps)
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
@@ -27,6 +27,9 @@ def test_steps_cover_every_kind_of_step():
     assert decode_sizes == sorted(set(capture_sizes(MAX_NUM_SEQS)) | {MAX_NUM_SEQS})
     profiles = {name.removeprefix("sampling: ") for name in steps if name.startswith("sampling: ")}
     assert profiles == set(SAMPLING_PROFILES)
+    masked = {name.removeprefix("sampling under a grammar: ") for name, step in steps.items()
+              if step.grammar_bitmask}
+    assert masked == set(GRAMMAR_PROFILES) and masked <= set(SAMPLING_PROFILES)
     (mid,) = steps["prefill, a chunk ending mid-prompt"].seqs
     assert mid.computed + mid.scheduled < mid.total and mid.scheduled == CHUNK  # does not sample
     (whole,) = steps["prefill, one whole chunk"].seqs

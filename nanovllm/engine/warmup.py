@@ -17,7 +17,10 @@ including kernels added later:
 - decodes at every CUDA-graph batch size (or, eager, at the same sizes) and one decode at
   the longest context (split-KV);
 - one decode per sampling profile (`SAMPLING_PROFILES`): each option that changes what the
-  sampler launches, since a batch's options pick its path;
+  sampler launches, since a batch's options pick its path; and the profiles whose path
+  changes under a structured-output grammar (`GRAMMAR_PROFILES`) once more with an
+  allow-all token bitmask (a real matcher needs xgrammar and a tokenizer; the kernels see
+  only the mask's shape and dtype);
 - multi-step decode rounds, plain and chained (tensor_parallel_size 1: the only case
   that runs them).
 
@@ -50,9 +53,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanovllm.engine.cuda_graph import capture_sizes
+from nanovllm.engine.sampling_metadata import SamplingMetadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import kv_quant
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.structured_outputs.backend import BITS_PER_WORD
+from nanovllm.utils.context import set_context
 
 if TYPE_CHECKING:  # model_runner imports this module
     from nanovllm.engine.model_runner import ModelRunner
@@ -84,6 +90,9 @@ SAMPLING_PROFILES: dict[str, SamplingParams] = {
     "logprobs": SamplingParams(temperature=WARMUP_TEMPERATURE, logprobs=5),
     "greedy logprobs": SamplingParams(temperature=0.0, logprobs=5),
 }
+# Profiles whose sampler path differs with a grammar bitmask: the fused draw reads the mask
+# (greedy and random rows), the other transforms take it applied to float32 logits first.
+GRAMMAR_PROFILES = ("greedy", "temperature", "top-k", "penalties")
 PROMPT_LOGPROBS = SamplingParams(temperature=WARMUP_TEMPERATURE, prompt_logprobs=5)
 RANDOM = SAMPLING_PROFILES["temperature"]
 
@@ -104,6 +113,7 @@ class WarmupStep:
     name: str
     seqs: tuple[ScratchSeq, ...]
     decode_round: bool = False  # a multi-step round (and a chained one) instead of one step
+    grammar_bitmask: bool = False  # sample under an allow-all structured-output bitmask
 
 
 def _prefill(prompt: int, computed: int = 0, scheduled: int | None = None,
@@ -137,6 +147,9 @@ def warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: 
         steps.append(WarmupStep(f"decode, batch {size}", tuple(_decode(short) for _ in range(size))))
     for name, params in SAMPLING_PROFILES.items():
         steps.append(WarmupStep(f"sampling: {name}", (_decode(short, params),)))
+    for name in GRAMMAR_PROFILES:
+        steps.append(WarmupStep(f"sampling under a grammar: {name}", (_decode(short, SAMPLING_PROFILES[name]),),
+                                grammar_bitmask=True))
     if multi_step:
         batch = min(MULTI_STEP_BATCH, max_num_seqs)
         steps.append(WarmupStep("multi-step rounds", tuple(_decode(short) for _ in range(batch)), True))
@@ -161,6 +174,9 @@ def run_step(runner: ModelRunner, step: WarmupStep) -> None:
     """Run one warm-up step on `runner` (every rank runs the same steps, in the same order)."""
     seqs = [_sequence(s, runner.block_size, runner.model_config.vocab_size,
                       min(SCRATCH_BLOCKS, runner.num_kvcache_blocks)) for s in step.seqs]
+    if step.grammar_bitmask:
+        _sample_under_bitmask(runner, seqs)
+        return
     if not step.decode_round:
         runner.run(seqs)
         return
@@ -169,6 +185,22 @@ def run_step(runner: ModelRunner, step: WarmupStep) -> None:
     for decode_round in (first, chained):
         for _ in decode_round.outputs():
             pass
+
+
+@torch.inference_mode()
+def _sample_under_bitmask(runner: ModelRunner, seqs: list[Sequence]) -> None:
+    """One decode step of `seqs` whose sampling takes an allow-all grammar bitmask, as
+    `ModelRunner.run` samples (every rank runs the forward; rank 0 alone has logits)."""
+    input_ids, positions, context, _ = runner.prepare(seqs)
+    with set_context(context):
+        logits = runner.model.compute_logits(runner.model(input_ids, positions))
+    if logits is None:
+        return
+    vocab_size = runner.model_config.vocab_size
+    metadata = SamplingMetadata.build(seqs, vocab_size, logits.device)
+    metadata.token_bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1,
+                                        dtype=torch.int32, device=logits.device)  # [num_seqs, words]
+    runner.sampler(logits, metadata)
 
 
 class VariantCounter:
