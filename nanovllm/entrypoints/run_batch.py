@@ -23,6 +23,7 @@ import time
 
 from nanovllm.entrypoints import batch_file
 from nanovllm.entrypoints.batch_file import BatchLineError, BatchRequest, OutputWriter
+from nanovllm.entrypoints.ray_args import add_data_parallel_args, uses_ray
 
 logger = logging.getLogger("nanovllm")
 
@@ -173,7 +174,6 @@ def run_local(async_llm, served_model_names: list[str], chat_template, input_pat
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from nanovllm.entrypoints.cli import add_engine_args
-    from nanovllm.entrypoints.ray_args import add_data_parallel_args
     parser.add_argument("-i", "--input-file", required=True, help="the batch file (JSON lines), a local path")
     parser.add_argument("-o", "--output-file", required=True,
                         help="where answers go (JSON lines); an existing file is resumed: its custom_ids are skipped")
@@ -190,7 +190,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     """`nanovllm run-batch ...`; prints the summary as one JSON line on stdout."""
-    from nanovllm.entrypoints.ray_args import uses_ray
     args = add_cli_args(argparse.ArgumentParser(
         prog="nanovllm run-batch", description="Answer an OpenAI batch file (JSON lines) with nano-vLLM.")
     ).parse_args(argv)

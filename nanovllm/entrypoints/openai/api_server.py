@@ -26,6 +26,7 @@ from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_response, install_error_handlers
 from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
                                                   parse_detokenize_request, parse_tokenize_request)
+from nanovllm.entrypoints.ray_args import add_data_parallel_args, uses_ray
 
 logger = logging.getLogger("nanovllm")
 
@@ -60,6 +61,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="seconds between throughput lines in the log; 0 disables them")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_engine_args(parser.add_argument_group("engine"))
+    add_data_parallel_args(parser.add_argument_group("data parallelism (Ray Serve)"))
     return parser
 
 
@@ -263,6 +265,9 @@ def _add_info_routes(app, state: ServerState, guarded: list) -> None:
 
 def main(args: argparse.Namespace) -> None:
     """Load the engine, then serve until SIGTERM/SIGINT. A bad setting exits with one line."""
+    if uses_ray(args):   # N engine replicas behind one OpenAI ingress (entrypoints/ray/serve.py)
+        from nanovllm.entrypoints.ray.serve import main as serve_on_ray
+        return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
