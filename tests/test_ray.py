@@ -173,6 +173,7 @@ def served(cluster, model_dir):
     yield url, board.metrics_board(ray_serve.APP_NAME)
     from ray import serve
     serve.delete(ray_serve.APP_NAME)
+    board.delete_board(ray_serve.APP_NAME)
 
 
 def live_replicas(board_actor, count: int, exclude: tuple = (), timeout: float = REPLICA_BACK_S) -> dict:

@@ -36,11 +36,21 @@ class MetricsBoardImpl:
 
 
 def metrics_board(app_name: str):
-    """The app's board actor, created on first use (by the ingress or a replica, whichever comes first)."""
+    """The app's board actor, created on first use (by the ingress or a replica, whichever comes first).
+    Detached, so that no replica's death or dropped handle takes it down; `delete_board` ends it."""
     import ray
     board_cls = ray.remote(num_cpus=0)(MetricsBoardImpl)
     return board_cls.options(name=BOARD_NAME_PREFIX + app_name, namespace=BOARD_NAMESPACE, get_if_exists=True,
-                             max_restarts=-1).remote()
+                             lifetime="detached", max_restarts=-1).remote()
+
+
+def delete_board(app_name: str) -> None:
+    """End the app's board (when the app is deleted); nothing if there is none."""
+    import ray
+    try:
+        ray.kill(ray.get_actor(BOARD_NAME_PREFIX + app_name, namespace=BOARD_NAMESPACE))
+    except ValueError:   # no such actor
+        pass
 
 
 def merge_replica_metrics(replicas: dict[str, dict]) -> str:

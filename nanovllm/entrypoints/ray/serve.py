@@ -305,4 +305,5 @@ def main(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     serve.delete(APP_NAME)
+    board.delete_board(APP_NAME)
     serve.shutdown()
