@@ -27,6 +27,7 @@ class ReplicaSpec:
     num_cpus: float = DEFAULT_CPUS_PER_REPLICA
     num_gpus: float = 0.0
     torch_threads: int = 1
+    log_stats_interval: float = 0.0                     # seconds between throughput lines in the replica's log
 
     def __post_init__(self):
         if self.num_replicas < 1:
@@ -49,7 +50,8 @@ class ReplicaSpec:
         return cls(model=args.model, engine_kwargs=kwargs,
                    served_model_names=tuple(args.served_model_name) if args.served_model_name else None,
                    chat_template=template, num_replicas=num_replicas, num_cpus=cpus,
-                   num_gpus=gpus_per_replica(kwargs, cluster_resources), torch_threads=max(1, math.floor(cpus)))
+                   num_gpus=gpus_per_replica(kwargs, cluster_resources), torch_threads=max(1, math.floor(cpus)),
+                   log_stats_interval=getattr(args, "log_stats_interval", 0.0))
 
     def actor_options(self) -> dict:
         """Ray resource options of one replica actor."""
@@ -131,5 +133,5 @@ def start_engine(spec: ReplicaSpec) -> ReplicaEngine:
     from nanovllm.engine.async_llm import AsyncLLM
     torch.set_num_threads(spec.torch_threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.torch_threads))   # for the TP ranks it spawns
-    async_llm = AsyncLLM(spec.model, log_stats_interval=0, **spec.engine_kwargs)
+    async_llm = AsyncLLM(spec.model, log_stats_interval=spec.log_stats_interval, **spec.engine_kwargs)
     return ReplicaEngine(async_llm, _template(spec, async_llm.tokenizer), served_model_names(spec))

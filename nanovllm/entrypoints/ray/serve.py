@@ -34,7 +34,8 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from nanovllm.config import DEFAULT_BLOCK_SIZE
-from nanovllm.entrypoints.openai.api_server import read_json_object
+from nanovllm.entrypoints.openai.api_server import (DEFAULT_MAX_REQUEST_BODY_BYTES as DEFAULT_MAX_BODY,
+                                                    DEFAULT_SHUTDOWN_TIMEOUT_S, read_json_object)
 from nanovllm.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
 from nanovllm.entrypoints.openai.metrics import CONTENT_TYPE
 from nanovllm.entrypoints.openai.protocol import parse_chat_request, parse_completion_request
@@ -265,13 +266,16 @@ class OpenAIIngress:
 
 # ---- the application ------------------------------------------------------------------------
 
-def build_app(spec: ReplicaSpec, api_key: str | None = None, max_request_body_bytes: int = 8 * 1024 * 1024):
-    """The Serve application: the ingress bound to `spec.num_replicas` engine replicas."""
+def build_app(spec: ReplicaSpec, api_key: str | None = None, max_request_body_bytes: int = DEFAULT_MAX_BODY,
+              shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+    """The Serve application: the ingress bound to `spec.num_replicas` engine replicas, each given
+    `shutdown_timeout` seconds to finish its requests when it is stopped."""
     from ray.serve.config import RequestRouterConfig
     from nanovllm.entrypoints.ray.router import PrefixAwareRequestRouter
     engine = EngineReplica.options(
         num_replicas=spec.num_replicas, ray_actor_options=spec.actor_options(),
         max_ongoing_requests=MAX_ONGOING_REQUESTS_PER_REPLICA, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=shutdown_timeout,
         request_router_config=RequestRouterConfig(request_router_class=PrefixAwareRequestRouter))
     ingress = OpenAIIngress.options(ray_actor_options={"num_cpus": 0},
                                     max_ongoing_requests=MAX_ONGOING_REQUESTS_PER_INGRESS)
@@ -279,10 +283,11 @@ def build_app(spec: ReplicaSpec, api_key: str | None = None, max_request_body_by
 
 
 def run(spec: ReplicaSpec, host: str, port: int, api_key: str | None = None,
-        max_request_body_bytes: int = 8 * 1024 * 1024, name: str = APP_NAME) -> None:
+        max_request_body_bytes: int = DEFAULT_MAX_BODY, shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+        name: str = APP_NAME) -> None:
     """Start (or update) the application on the connected Ray cluster; returns once it is running."""
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(spec, api_key, max_request_body_bytes), name=name, route_prefix="/")
+    serve.run(build_app(spec, api_key, max_request_body_bytes, shutdown_timeout), name=name, route_prefix="/")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -297,7 +302,7 @@ def main(args: argparse.Namespace) -> None:
         spec = ReplicaSpec.from_args(args, ray.cluster_resources())
     except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
-    run(spec, args.host, args.port, args.api_key, args.max_request_body_bytes)
+    run(spec, args.host, args.port, args.api_key, args.max_request_body_bytes, args.shutdown_timeout)
     logger.info("serving %s on http://%s:%d with %d engine replicas", served_model_names(spec)[0], args.host,
                 args.port, spec.num_replicas)
     stop = threading.Event()
