@@ -197,3 +197,25 @@ def test_killed_run_resumes_with_each_custom_id_once(async_llm, reference, model
     assert all(o["response"]["body"]["choices"][0]["text"] == texts[o["custom_id"]] for o in out)
     summary = run(async_llm, tmp_path / "in.jsonl", out_path)   # a third run has nothing to do
     assert summary["requests"] == 0 and read_output(out_path) == out
+
+
+def test_cli_errors_are_one_line_before_loading(tmp_path, capsys):
+    from nanovllm.entrypoints import cli
+    write_lines(tmp_path / "dup.jsonl", [completion_line("same", "a"), completion_line("same", "b")])
+    cases = [(["-i", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+             (["-i", str(tmp_path / "dup.jsonl")], "custom_id 'same' appears on lines 1 and 2"),
+             (["-i", str(tmp_path / "dup.jsonl"), "-dp", "0"], "--data-parallel-size must be >= 1, got 0")]
+    for argv, expected in cases:
+        assert cli.main(["run-batch", *argv, "-o", str(tmp_path / "out.jsonl"), "--model", "/nonexistent"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("nanovllm: error: ") and expected in err and err.count("\n") == 1, err
+
+
+def test_a_damaged_line_before_the_last_is_refused(tmp_path):
+    ok = json.dumps({"id": "x", "custom_id": "a", "response": {}, "error": None})
+    (tmp_path / "out.jsonl").write_text(ok + "\n" + "garbage\n" + ok.replace('"a"', '"b"') + "\n")
+    with pytest.raises(ValueError, match="output line 2 is not a batch output line"):
+        batch_file.recover_output(str(tmp_path / "out.jsonl"))
+    (tmp_path / "cut.jsonl").write_text(ok + "\n" + ok[:20])
+    assert batch_file.recover_output(str(tmp_path / "cut.jsonl")).custom_ids == {"a"}
+    assert (tmp_path / "cut.jsonl").read_text() == ok + "\n"

@@ -206,8 +206,9 @@ def _run_local_from_args(args: argparse.Namespace) -> dict:
     from nanovllm.entrypoints.cli import engine_kwargs
     from nanovllm.entrypoints.openai.api_server import default_model_name
     from nanovllm.entrypoints.openai.chat_template import load_chat_template
+    batch_file.read_input(args.input_file)             # a missing or bad file fails before the slow model load
     if args.chat_template is not None:
-        load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
+        load_chat_template(args.chat_template, None)
     async_llm = AsyncLLM(args.model, log_stats_interval=0, **engine_kwargs(args))
     try:
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
