@@ -13,6 +13,8 @@ file (/v1/chat/completions, greedy, `max_tokens` new tokens each, `ignore_eos`):
    engine load, and the Ray job's start-up is estimated by a one-line job (its time is
    start-up plus one request). Goal: the Ray path >= 0.9 of the one-engine path.
 
+(1) and (2) alternate `--repeats` times (medians): this machine's load varies by the minute.
+
     python benchmarks/bench_run_batch.py                     # as above
     python benchmarks/bench_run_batch.py --num-requests 8 --max-tokens 16 --skip-ray   # a quick look
 
@@ -41,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of every engine")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating timed runs of (1) and (2); medians")
     parser.add_argument("--skip-ray", action="store_true")
     return parser.parse_args(argv)
 
@@ -65,40 +68,73 @@ def read_texts(path: str) -> dict[str, str]:
     return {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in lines}
 
 
-def bench_generate(model: str, qs: list[str], max_tokens: int) -> tuple[dict, dict[str, str]]:
-    llm = LLM(model)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    conversations = [[{"role": "user", "content": q}] for q in qs]
-    llm.chat(conversations[:1], SamplingParams(max_tokens=2), use_tqdm=False)   # warm-up
-    start = time.perf_counter()
-    outs = llm.chat(conversations, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    llm.shutdown()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}, \
-        {f"q{i}": o.outputs[0].text for i, o in enumerate(outs)}
+class GenerateRun:
+    """`LLM.chat` on the conversations, the engine loaded once."""
+
+    def __init__(self, model: str, qs: list[str], max_tokens: int):
+        self.llm = LLM(model)
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.conversations = [[{"role": "user", "content": q}] for q in qs]
+        self.llm.chat(self.conversations[:1], SamplingParams(max_tokens=2), use_tqdm=False)   # warm-up
+
+    def __call__(self) -> tuple[float, int, dict[str, str]]:
+        start = time.perf_counter()
+        outs = self.llm.chat(self.conversations, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return seconds, sum(len(o.outputs[0].token_ids) for o in outs), \
+            {f"q{i}": o.outputs[0].text for i, o in enumerate(outs)}
 
 
-def bench_local(model: str, in_path: str, workdir: str) -> tuple[dict, dict[str, str]]:
-    from nanovllm.engine.async_llm import AsyncLLM
-    from nanovllm.entrypoints.openai.chat_template import load_chat_template
-    from nanovllm.entrypoints.run_batch import run_local
-    load_start = time.perf_counter()
-    llm = AsyncLLM(model, log_stats_interval=0)
-    load_seconds = time.perf_counter() - load_start
-    template = load_chat_template(None, llm.tokenizer)
-    warm = os.path.join(workdir, "warm.jsonl")
-    with open(in_path) as f, open(warm, "w") as w:
-        w.write(f.readline())
-    run_local(llm, [MODEL_NAME], template, warm, os.path.join(workdir, "warm-out.jsonl"), progress=False)
-    out = os.path.join(workdir, "local.jsonl")
-    start = time.perf_counter()
-    summary = run_local(llm, [MODEL_NAME], template, in_path, out, progress=False)
-    seconds = time.perf_counter() - start
-    llm.shutdown()
-    tokens = summary["generated_tokens"]
-    return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "load_seconds": load_seconds,
-            "e2e_tok_s": tokens / (seconds + load_seconds)}, read_texts(out)
+class RunBatchRun:
+    """`run_local` on the batch file, the engine loaded once (its load time kept for the end-to-end figure)."""
+
+    def __init__(self, model: str, in_path: str, workdir: str):
+        from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.entrypoints.openai.chat_template import load_chat_template
+        start = time.perf_counter()
+        self.llm = AsyncLLM(model, log_stats_interval=0)
+        self.load_seconds = time.perf_counter() - start
+        self.template = load_chat_template(None, self.llm.tokenizer)
+        self.in_path, self.workdir, self.runs = in_path, workdir, 0
+        warm = os.path.join(workdir, "warm.jsonl")
+        with open(in_path) as f, open(warm, "w") as w:
+            w.write(f.readline())
+        self._run(warm)
+
+    def _run(self, path: str) -> tuple[dict, str]:
+        from nanovllm.entrypoints.run_batch import run_local
+        self.runs += 1
+        out = os.path.join(self.workdir, f"local-{self.runs}.jsonl")
+        return run_local(self.llm, [MODEL_NAME], self.template, path, out, progress=False), out
+
+    def __call__(self) -> tuple[float, int, dict[str, str]]:
+        start = time.perf_counter()
+        summary, out = self._run(self.in_path)
+        return time.perf_counter() - start, summary["generated_tokens"], read_texts(out)
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+
+def alternate(model: str, qs: list[str], in_path: str, workdir: str, max_tokens: int, repeats: int) -> dict:
+    """Time (1) and (2) alternately `repeats` times; medians of tokens/s, answers checked equal."""
+    generate, run_batch = GenerateRun(model, qs, max_tokens), RunBatchRun(model, in_path, workdir)
+    rates = {"generate": [], "run_batch": []}
+    for _ in range(repeats):
+        g_seconds, g_tokens, ref = generate()
+        r_seconds, r_tokens, texts = run_batch()
+        assert texts == ref, "run-batch answers differ from LLM.chat's"
+        rates["generate"].append(g_tokens / g_seconds)
+        rates["run_batch"].append(r_tokens / r_seconds)
+    generate.llm.shutdown()
+    run_batch.llm.shutdown()
+    r_tok_s = median(rates["run_batch"])
+    return {"generate_tok_s": median(rates["generate"]), "run_batch_tok_s": r_tok_s, "runs": rates,
+            "run_batch_load_seconds": run_batch.load_seconds,
+            "run_batch_e2e_tok_s": r_tokens / (r_tokens / r_tok_s + run_batch.load_seconds),
+            "run_batch_vs_generate": r_tok_s / median(rates["generate"])}, ref
 
 
 def bench_ray(model: str, in_path: str, workdir: str, threads: int) -> tuple[dict, dict[str, str]]:
@@ -134,19 +170,17 @@ def main(argv=None) -> None:
     model = args.model or default_model_path()
     qs = questions(args.num_requests)
     result = {"num_requests": args.num_requests, "max_tokens": args.max_tokens, "threads": args.threads,
-              "load_avg_start": os.getloadavg()[0]}
+              "repeats": args.repeats, "load_avg_start": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory() as workdir:
         in_path = os.path.join(workdir, "in.jsonl")
         write_batch_file(in_path, qs, args.max_tokens)
-        result["generate"], ref = bench_generate(model, qs, args.max_tokens)
-        result["run_batch"], texts = bench_local(model, in_path, workdir)
-        assert texts == ref, "run-batch answers differ from LLM.chat's"
-        result["run_batch_vs_generate"] = result["run_batch"]["tok_s"] / result["generate"]["tok_s"]
+        local, ref = alternate(model, qs, in_path, workdir, args.max_tokens, args.repeats)
+        result.update(local)
         if not args.skip_ray:
             result["ray_dp1"], texts = bench_ray(args.model, in_path, workdir, args.threads)
             assert texts == ref, "run-batch on Ray answers differ from LLM.chat's"
-            result["ray_vs_local_e2e"] = result["ray_dp1"]["e2e_tok_s"] / result["run_batch"]["e2e_tok_s"]
-            result["ray_vs_local_steady"] = result["ray_dp1"]["steady_tok_s"] / result["run_batch"]["tok_s"]
+            result["ray_vs_local_e2e"] = result["ray_dp1"]["e2e_tok_s"] / result["run_batch_e2e_tok_s"]
+            result["ray_vs_local_steady"] = result["ray_dp1"]["steady_tok_s"] / result["run_batch_tok_s"]
     result["load_avg_end"] = os.getloadavg()[0]
     for key, value in result.items():
         print(f"{key:>24}: {value}")
