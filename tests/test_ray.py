@@ -1,9 +1,9 @@
 """Data-parallel replicas on a local Ray cluster (`ray.init(num_cpus=2)`, one for the whole module):
 run-batch with 2 replicas (Ray Data) and `serve` with 2 replicas (Ray Serve), tiny model on CPU.
 
-- 2-replica run-batch output equals one engine's, line for line by custom_id (greedy);
-- a resumed run (a cut-short output file) with a replica killed mid-job (SIGKILL) still
-  answers each custom_id exactly once, with the same answers;
+- 2-replica run-batch output equals one engine's, line for line by custom_id (greedy),
+  for a resumed run (a cut-short output file) with a replica killed mid-job (SIGKILL):
+  each custom_id answered exactly once, with the same answers and error lines;
 - serving with 2 replicas answers the official `openai` client, streamed and not, with
   one engine's answers; a repeated prefix goes to one replica (its prefix-cache hit
   counter in /metrics); a killed replica fails only its in-flight request with a 503
@@ -96,18 +96,6 @@ def answers(lines: list[dict]) -> dict:
 
 # ---- run-batch on Ray Data ----------------------------------------------------------------------
 
-def test_two_replicas_equal_one_engine(cluster, model_dir, one_engine, tmp_path):
-    from nanovllm.entrypoints.ray.batch import run_on_ray
-    lines = [completion_line(f"c{i}", f"Story {i}: once upon a time" * (1 + i % 4)) for i in range(16)]
-    lines += [chat_line(f"chat{i}", f"What is {i} times {i}?") for i in range(3)]
-    lines += ["not json", completion_line("bad", "x", top_p=2.0)]
-    write_lines(tmp_path / "in.jsonl", lines)
-    reference = answers(one_engine(tmp_path / "in.jsonl", tmp_path / "ref.jsonl"))
-    summary = run_on_ray(ray_args(model_dir, tmp_path / "in.jsonl", tmp_path / "out.jsonl"))
-    assert answers(read_output(tmp_path / "out.jsonl")) == reference
-    assert summary["requests"] == len(lines) and summary["errors"] == 2
-
-
 def _replica_pids(marker: str) -> list[int]:
     """Pids of this test's Ray worker processes whose title names `marker` (descendants of this process)."""
     import psutil
@@ -121,9 +109,13 @@ def _replica_pids(marker: str) -> list[int]:
     return found
 
 
-def test_resumed_run_with_a_replica_killed_mid_job(cluster, model_dir, one_engine, tmp_path):
+def test_two_replicas_equal_one_engine_resumed_and_with_a_replica_killed(cluster, model_dir, one_engine, tmp_path):
+    """One Ray Data job (each costs a replica pool's start-up): it resumes a cut-short output file,
+    one replica is SIGKILLed mid-job, and the result must still equal one engine's line for line."""
     from nanovllm.entrypoints.ray.batch import run_on_ray
-    lines = [completion_line(f"r{i}", f"Item {i} of the list", max_tokens=48) for i in range(40)]
+    lines = [completion_line(f"r{i}", f"Item {i} of the list" * (1 + i % 3), max_tokens=48) for i in range(36)]
+    lines += [chat_line(f"chat{i}", f"What is {i} times {i}?") for i in range(3)]
+    lines += ["not json", completion_line("bad", "x", top_p=2.0)]
     write_lines(tmp_path / "in.jsonl", lines)
     ref_lines = one_engine(tmp_path / "in.jsonl", tmp_path / "ref.jsonl")
     kept = ref_lines[:5]   # an interrupted earlier run: 5 lines, then half a line
@@ -147,8 +139,8 @@ def test_resumed_run_with_a_replica_killed_mid_job(cluster, model_dir, one_engin
 
     out = read_output(tmp_path / "out.jsonl")
     assert out[:len(kept)] == kept, "lines of the earlier run were rewritten"
-    assert answers(out) == answers(ref_lines)     # each custom_id once, the same answers
-    assert result["summary"]["skipped"] == len(kept)
+    assert answers(out) == answers(ref_lines)     # each custom_id once, the same answers and errors
+    assert result["summary"]["skipped"] == len(kept) and result["summary"]["errors"] == 2
 
 
 # ---- serve on Ray Serve -------------------------------------------------------------------------
