@@ -263,3 +263,31 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served):
     back = live_replicas(board_actor, NUM_REPLICAS, exclude=(victim[0],))
     assert len(back) == NUM_REPLICAS, back.keys()
     assert set(live) - {victim[0]} <= set(back)
+
+
+# ---- pieces without a cluster ---------------------------------------------------------------
+
+def test_processor_reads_read_json_columns():
+    """Rows as `ray.data.read_json(batch file)` gives them (numpy values, nulls for absent fields)."""
+    import numpy as np
+    from nanovllm.entrypoints import batch_file
+    from nanovllm.entrypoints.ray.batch import _rows
+    batch = {"custom_id": np.array(["a", "b"], dtype=object), "method": np.array(["POST", "POST"], dtype=object),
+             "url": np.array(["/v1/completions"] * 2, dtype=object),
+             "body": np.array([{"prompt": "x", "max_tokens": np.int64(4), "stop": None},
+                               {"prompt": np.array([5, 6]), "max_tokens": np.int64(2), "stop": np.array(["."])}],
+                              dtype=object)}
+    requests = [batch_file.parse_batch_line(n, text) for n, text in _rows(batch)]
+    assert [(r.line_no, r.custom_id) for r in requests] == [(1, "a"), (2, "b")]
+    assert requests[0].body == {"prompt": "x", "max_tokens": 4}
+    assert requests[1].body == {"prompt": [5, 6], "max_tokens": 2, "stop": ["."]}
+
+
+def test_merged_metrics_label_every_replica_once_per_family():
+    from nanovllm.entrypoints.ray.metrics import merge_replica_metrics
+    text = ("# HELP nanovllm:hits Hits.\n# TYPE nanovllm:hits counter\nnanovllm:hits {}\n"
+            "# HELP nanovllm:lat Latency.\n# TYPE nanovllm:lat histogram\nnanovllm:lat_bucket{{le=\"1.0\"}} {}\n")
+    merged = merge_replica_metrics({"r2": {"text": text.format(7, 1)}, "r1": {"text": text.format(3, 2)}})
+    assert merged.count("# HELP nanovllm:hits") == 1 and merged.count("# TYPE nanovllm:lat") == 1
+    assert 'nanovllm:hits{replica="r1"} 3\nnanovllm:hits{replica="r2"} 7\n' in merged
+    assert 'nanovllm:lat_bucket{replica="r2",le="1.0"} 1' in merged
