@@ -11,6 +11,7 @@ run-batch with 2 replicas (Ray Data) and `serve` with 2 replicas (Ray Serve), ti
 
 Marked `ray` (pyproject): `pytest -m "not ray"` leaves them out. Skipped without ray.
 """
+import argparse
 import json
 import os
 import signal
@@ -71,7 +72,6 @@ def one_engine(model_dir):
 
 def ray_args(model_dir: str, input_path, output_path):
     from nanovllm.entrypoints.run_batch import add_cli_args
-    import argparse
     argv = ["-i", str(input_path), "-o", str(output_path), "--model", model_dir, "--served-model-name", MODEL_NAME,
             "--no-progress", "-dp", str(NUM_REPLICAS), "--cpus-per-replica", str(CPUS_PER_REPLICA),
             *[f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]]

@@ -6,7 +6,6 @@ The model is a tiny random Llama with the real SmolLM2 tokenizer and chat templa
 test_server.py), so answers are random text: they are compared with another engine's, never
 with fixed strings.
 """
-import asyncio
 import importlib.util
 import json
 import os
