@@ -96,7 +96,7 @@ class MetricsPusher:
                 healthy = self.replica.replica.async_llm.is_healthy
                 ray.get(self.board.push.remote(self.replica_id, os.getpid(), healthy, self.replica.metrics_text()),
                         timeout=board.STALE_AFTER_S)
-            except Exception:  # noqa: BLE001 -- the board's owner died or is busy: find it again next time
+            except Exception:  # noqa: BLE001 -- the board is restarting or busy: look it up again next time
                 logger.debug("metrics push failed", exc_info=True)
                 self.board = None
 
@@ -155,9 +155,13 @@ class EngineReplica:
             raise RuntimeError(f"the engine is not running: {llm.dead_error}")
 
     def __del__(self):
+        """Serve stops the replica (after its graceful shutdown timeout): stop pushing, stop the engine."""
         pusher = getattr(self, "pusher", None)
         if pusher is not None:
             pusher.stop()
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.async_llm.shutdown()
 
 
 # ---- ingress -------------------------------------------------------------------------------
