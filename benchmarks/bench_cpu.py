@@ -1,4 +1,4 @@
-"""B2: CPU throughput, nano-vLLM against HF transformers on the same weights (DESIGN.md §5).
+"""B2: CPU throughput, nano-vLLM against HF transformers on the same weights.
 
 SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized), 64 chat prompts,
 128 new tokens each (`ignore_eos`; HF with `min_new_tokens`), greedy, in one run:
@@ -191,6 +191,23 @@ def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine
     return ours, hf, probe
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two greedy sequences differ (None: identical)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def divergence_note(ours: list[list[int]], other: list[list[int]], other_dtype: str) -> str:
+    """What the identical-sequence count means: greedy decoding follows the argmax, so two
+    engines whose logits differ by rounding (another dtype, another summation order) part
+    at the first near-tie of two tokens and differ from there on; a bug parts early."""
+    parts = sorted(i for a, b in zip(ours, other) if (i := first_divergence(a, b)) is not None)
+    if not parts:
+        return "every sequence is the same token for token"
+    return (f"the other {len(parts)} part at a near-tie of two logits (our dtype vs HF's {other_dtype}, "
+            f"another summation order) at token {parts[0]} at the earliest, {median(parts)} in the median, "
+            "and differ from there on, as greedy decoding does")
+
+
 def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_prompts: int) -> dict:
     out_tokens = n_prompts * args.max_tokens
     seconds = median(ours.seconds)
@@ -212,6 +229,7 @@ def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_p
                       hf_time_over_floor=round(hf_seconds / floor, 2),
                       single_decode_speedup=round(median(ours.single) / median(hf.single), 2),
                       identical_sequences=f"{same}/{n_prompts}",
+                      identical_sequences_note=divergence_note(ours.tokens, hf.tokens, hf.dtype),
                       all_runs_s={"ours": [round(x, 1) for x in ours.seconds],
                                   "hf": [round(x, 1) for x in hf.seconds]})
     return result
