@@ -7,6 +7,8 @@ cache size) live in the objects that derive them, not here.
 """
 from dataclasses import dataclass, fields
 
+from nanovllm.layers.quantization import check_quantization_option
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -54,6 +56,10 @@ class Config:
     # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
+    # Weight quantization method (layers/quantization's registry; vLLM's option). None: the
+    # checkpoint's own `quantization_config`, or dense weights when it has none. A name
+    # quantizes an unquantized checkpoint at load, or must match the checkpoint's method.
+    quantization: str | None = None
 
     def __post_init__(self):
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -72,6 +78,7 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
+        check_quantization_option(self.quantization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

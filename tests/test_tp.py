@@ -113,14 +113,30 @@ def _expected_shards(hf, rank: int) -> dict[str, torch.Tensor]:
         a + "qkv_proj.weight": torch.cat([w[a + "q_proj.weight"][q], w[a + "k_proj.weight"][kv],
                                           w[a + "v_proj.weight"][kv]]),
         a + "o_proj.weight": w[a + "o_proj.weight"][:, q],
-        m + "gate_up_proj.weight": torch.cat([w[m + "gate_proj.weight"][inter], w[m + "up_proj.weight"][inter]]),
-        m + "down_proj.weight": w[m + "down_proj.weight"][:, inter],
         "model.embed_tokens.weight": vocab,
     }
+    if m + "experts.gate_up_proj" in w:  # a sparse layer (HF holds [E, 2I, H] and [E, H, I])
+        expected.update(_expected_expert_shards(w, m, rank))
+    else:
+        expected[m + "gate_up_proj.weight"] = torch.cat([w[m + "gate_proj.weight"][inter],
+                                                         w[m + "up_proj.weight"][inter]])
+        expected[m + "down_proj.weight"] = w[m + "down_proj.weight"][:, inter]
     if a + "q_proj.bias" in w:  # Qwen2
         expected[a + "qkv_proj.bias"] = torch.cat([w[a + "q_proj.bias"][q], w[a + "k_proj.bias"][kv],
                                                    w[a + "v_proj.bias"][kv]])
     return expected
+
+
+def _expected_expert_shards(w: dict, m: str, rank: int) -> dict[str, torch.Tensor]:
+    """A sparse layer on rank `rank`: the router whole, every expert's slice of its
+    intermediate dimension (gate rows, up rows, down columns)."""
+    gate, up = w[m + "experts.gate_up_proj"].chunk(2, dim=1)  # [E, I, H] each
+    down = w[m + "experts.down_proj"]  # [E, H, I]
+    share = down.shape[2] // TP
+    inter = slice(rank * share, (rank + 1) * share)
+    return {m + "gate.weight": w[m + "gate.weight"],
+            m + "experts.w13_weight": torch.cat([gate[:, inter], up[:, inter]], dim=1),
+            m + "experts.w2_weight": down[:, :, inter]}
 
 
 @pytest.mark.parametrize("whole_tensors", [False, True], ids=["safetensors-slices", "whole-tensors"])

@@ -141,7 +141,8 @@ def test_kv_cache_just_big_enough(model_dir, tiny_model):
 
 @pytest.mark.parametrize("updates,message", [
     (dict(architectures=["GemmaForCausalLM"]), "'GemmaForCausalLM' is not supported; supported: GraniteForCausalLM, "
-     "LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+     "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+     "Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
     (dict(use_sliding_window=True, max_window_layers=0, sliding_window=None),
      "needs a positive sliding_window, got None"),
     (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types .*chunked_attention"),

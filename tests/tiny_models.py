@@ -7,8 +7,8 @@ Both HF and nano-vLLM load the saved directory; HF's model is the reference.
 import inspect
 
 import torch
-from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=1024, initializer_range=0.2)
@@ -35,6 +35,15 @@ FAMILIES = {
     "granite": (GraniteConfig, dict(num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1,
                                     embedding_multiplier=1.5, residual_multiplier=0.8, attention_multiplier=0.2,
                                     logits_scaling=1.25)),
+    # Qwen3-MoE: 3 layers, the middle one dense (mlp_only_layers); 8 experts of 64, top-3 not
+    # renormalized; q/k norm, GQA 4:2, head_dim 32, untied
+    "qwen3moe": (Qwen3MoeConfig, dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+                                      tie_word_embeddings=False, eos_token_id=1, num_experts=8,
+                                      num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=False,
+                                      mlp_only_layers=[1])),
+    # Mixtral: every layer sparse, 4 experts of intermediate_size (64), top-2 renormalized; GQA 4:2
+    "mixtral": (MixtralConfig, dict(intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=False,
+                                    eos_token_id=1, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

@@ -33,7 +33,10 @@ def check_splittable(model_config: ModelConfig, tp_size: int) -> None:
     """The layers' own checks, made before any process starts: a ValueError naming the count."""
     divide(model_config.num_attention_heads, tp_size, "num_attention_heads")
     kv_heads_per_rank(model_config.num_key_value_heads, tp_size)
-    divide(model_config.intermediate_size, tp_size, "intermediate_size")
+    if model_config.has_dense_layers:
+        divide(model_config.intermediate_size, tp_size, "intermediate_size")
+    if model_config.num_experts:  # every rank holds a slice of every expert (layers/fused_moe.py)
+        divide(model_config.moe_intermediate_size, tp_size, "moe_intermediate_size")
 
 
 class TPModelRunner:

@@ -20,6 +20,7 @@ from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
 from nanovllm.kernels import get_attention_backend
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.quantization import building_with, get_quantization_config, process_weights_after_loading
 from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.registry import get_model_class
@@ -83,10 +84,13 @@ class ModelRunner:
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         torch.manual_seed(self.config.seed)
+        quant_config = get_quantization_config(self.config.quantization, self.model_config.quantization_config)
+        if quant_config is not None:
+            quant_config.check_device(self.device)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), tensor_parallel(self.rank, self.tp_size):
+            with torch.device(self.device), tensor_parallel(self.rank, self.tp_size), building_with(quant_config):
                 model = get_model_class(self.model_config.architecture)(
                     self.model_config, self.max_model_len)
         finally:
@@ -95,6 +99,7 @@ class ModelRunner:
             load_dummy_weights(model, self.config.seed)
         else:
             load_named_weights(model, source.named_weights())
+        process_weights_after_loading(model)
         if self.device.type == "cpu":
             use_column_major_weights(model)  # faster matrix-vector products (kernels/cpu_linear.py)
         Attention.backend = get_attention_backend(self.device.type)

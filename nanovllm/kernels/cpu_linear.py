@@ -8,7 +8,9 @@ memory bandwidth) takes about 25% less time that way: SmolLM2-135M's weights in
 fp32, 35 ms against 45 ms per token on one thread. Products of 64 rows and more
 run at the same speed either way, and both layouts give the same values there.
 
-Only the storage changes: shapes, names and weight loaders stay as they are. A
+Only the storage changes: shapes, names and weight loaders stay as they are. Only
+dense weights are re-laid (a layer whose quantization method says `is_dense`): packed
+or quantized weights keep the layout their kernels expect. A
 tied LM head shares its weight with the token embedding, whose row lookups get
 slower in this layout (about 0.4 ms for 64 tokens, 26 ms for 2,560), a small
 price against the LM head's 113 MB read per decode step.
@@ -21,10 +23,12 @@ from nanovllm.layers.linear import LinearBase
 
 
 def use_column_major_weights(model: nn.Module) -> None:
-    """Re-lay the weight of every linear layer and of the LM head column-major, in place."""
+    """Re-lay the dense weight of every linear layer and of the LM head column-major, in place."""
     done = set()
     for module in model.modules():
-        if isinstance(module, (LinearBase, ParallelLMHead)) and id(module.weight) not in done:
+        dense = isinstance(module, ParallelLMHead) or (isinstance(module, LinearBase)
+                                                        and module.quant_method.is_dense)
+        if dense and id(module.weight) not in done:
             done.add(id(module.weight))
             module.weight.data = _column_major(module.weight.data)
 

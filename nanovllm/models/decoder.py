@@ -1,9 +1,10 @@
-"""The decoder-only transformer shared by the Llama, Mistral, Phi-3, Qwen2, Qwen3 and
-Granite families.
+"""The decoder-only transformer shared by the Llama, Mistral, Phi-3, Qwen2, Qwen3,
+Granite, Qwen3-MoE and Mixtral families.
 
 The families differ only in what `ModelConfig` carries: bias on the q/k/v projections
 (Qwen2), RMSNorm on q and k per head (Qwen3), tied embeddings, the RoPE scaling, and
-Granite's four scalars; and in how a checkpoint names its tensors (Phi-3 fuses some).
+Granite's four scalars, the experts that replace the MLP in a mixture-of-experts
+model's sparse layers; and in how a checkpoint names its tensors (Phi-3 fuses some).
 Each family file names a subclass for the registry.
 """
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused_moe import SparseMoeBlock, map_expert_name
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -60,10 +62,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    def __init__(self, cfg: ModelConfig, max_position: int, layer: int):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, max_position)
-        self.mlp = DecoderMLP(cfg)
+        self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
@@ -86,7 +88,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, max_position) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, max_position, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_multiplier = cfg.embedding_multiplier
 
@@ -122,6 +124,10 @@ class DecoderForCausalLM(nn.Module):
         """The checkpoint tensors `name` stands for: itself here; a family that stores
         several in one tensor returns the parts, under the names they have elsewhere."""
         return [(name, tensor)]
+
+    def map_expert_name(self, name: str) -> tuple[str, object] | None:
+        """(packed parameter, shard id) of an expert checkpoint tensor; None for any other."""
+        return map_expert_name(name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

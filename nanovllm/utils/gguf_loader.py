@@ -3,10 +3,13 @@
 `ModelSource` calls three functions here for a `.gguf` path:
 
 - `gguf_model_config(path)`: a `ModelConfig` from the file's metadata (granite,
-  llama, phi3, qwen2 and qwen3 architectures).
+  llama, phi3, qwen2, qwen3 and qwen3moe architectures; a llama file with
+  `llama.expert_count` is Mixtral).
 - `iter_gguf_weights(path)`: `(HF-style name, float32 tensor)` for every tensor,
   dequantized by `utils/dequant.py`, with llama.cpp's Q/K row permutation undone
-  for llama and granite files.
+  for llama and granite files. Expert tensors keep llama.cpp's layout (one tensor per
+  layer with a leading expert dimension, `ffn_*_exps`, or one per expert in older
+  Mixtral files, `ffn_*.E`), which `layers/fused_moe.py` packs as it packs HF's.
 - `gguf_tokenizer(path)`: an HF fast tokenizer built from the file's vocabulary,
   merges, special tokens and chat template (by transformers' GGUF converter, so it
   matches `AutoTokenizer.from_pretrained(dir, gguf_file=...)`).
@@ -36,7 +39,10 @@ DEFAULT_ALIGNMENT = 32            # llama.cpp's default when general.alignment i
 HEADER_BYTES = 24                 # magic, version, tensor count, metadata count
 # GGUF architecture -> HF architecture name of our model registry
 ARCHITECTURES = {"granite": "GraniteForCausalLM", "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"  # a llama file with experts
+# llama.cpp's expert gating functions (LLAMA_EXPERT_GATING_FUNC_TYPE): the supported one
+EXPERT_GATING_SOFTMAX = 1
 # architectures whose Q/K rows llama.cpp's converter interleaves (see unpermute_qk)
 PERMUTED_QK = ("granite", "llama")
 # scalar metadata value types: GGUFValueType id -> struct format
@@ -193,11 +199,11 @@ def gguf_model_config(path: str) -> ModelConfig:
     head_dim = md.get(f"{arch}.attention.key_length") or hidden // heads
     _check_rope_dims(path, md.get(f"{arch}.rope.dimension_count"), head_dim)
     return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+        architecture=MIXTRAL if arch == "llama" and md.get("llama.expert_count") else ARCHITECTURES[arch],
         vocab_size=md.get(f"{arch}.vocab_size") or len(md.get("tokenizer.ggml.tokens", ())) or
         header.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
+        intermediate_size=md.get(f"{arch}.feed_forward_length") or get("expert_feed_forward_length"),
         num_hidden_layers=get("block_count"),
         num_attention_heads=heads,
         num_key_value_heads=md.get(f"{arch}.attention.head_count_kv") or heads,
@@ -215,7 +221,29 @@ def gguf_model_config(path: str) -> ModelConfig:
         # llama.cpp writes 0 for "no window" (phi3 files of Phi-4)
         sliding_window=md.get(f"{arch}.attention.sliding_window") or None,
         **_granite_scalars(md, arch),
+        **_expert_fields(header, arch),
     )
+
+
+def _expert_fields(header: GGUFHeader, arch: str) -> dict:
+    """ModelConfig's expert fields from llama.cpp's keys (none for a dense file). GGUF has
+    no dense layers between sparse ones; llama.cpp renormalizes the top-k weights of both
+    families unless the file says otherwise (expert_weights_norm)."""
+    md = header.metadata
+    count = md.get(f"{arch}.expert_count") or 0
+    if not count:
+        return {}
+    if md.get(f"{arch}.expert_shared_count"):
+        raise ValueError(f"{header.path}: shared experts ({arch}.expert_shared_count="
+                         f"{md[f'{arch}.expert_shared_count']}) are not supported")
+    gating = md.get(f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX)
+    if gating != EXPERT_GATING_SOFTMAX:
+        raise ValueError(f"{header.path}: expert gating function {gating} ({arch}.expert_gating_func) "
+                         "is not supported (supported: 1, softmax)")
+    return dict(num_experts=count, num_experts_per_tok=md.get(f"{arch}.expert_used_count") or 0,
+                moe_intermediate_size=md.get(f"{arch}.expert_feed_forward_length")
+                or md.get(f"{arch}.feed_forward_length") or 0,
+                norm_topk_prob=bool(md.get(f"{arch}.expert_weights_norm", True)))
 
 
 def _granite_scalars(md: dict, arch: str) -> dict:
@@ -284,7 +312,12 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # experts: the router, then each projection of every expert (a leading expert dimension)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
+# older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # where an architecture names its layer tensors otherwise: Phi-3 keeps q/k/v and gate/up fused
 # (its ffn_up is gate and up), as its HF checkpoints do
 ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
@@ -295,6 +328,9 @@ _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 def hf_name(gguf_name: str, path: str, arch: str) -> str:
     """llama.cpp's tensor name -> the HF checkpoint name, e.g. blk.3.attn_q.weight ->
     model.layers.3.self_attn.q_proj.weight."""
+    if m := _EXPERT_RE.fullmatch(gguf_name):
+        layer, projection, expert = m.groups()
+        return f"model.layers.{layer}.mlp.experts.{expert}.{projection}_proj.weight"
     if m := _LAYER_RE.fullmatch(gguf_name):
         layer, key, kind = m.groups()
         names = {**LAYER_NAMES, **ARCH_LAYER_NAMES.get(arch, {})}

@@ -3,7 +3,8 @@
 All formats end in `load_named_weights(model, named_tensors)`: checkpoint names
 are mapped onto the model's parameters (fused tensors split by the model's
 `split_checkpoint_tensor`, packed q/k/v and gate/up through its
-`packed_modules_mapping`), and each parameter's `weight_loader` copies in
+`packed_modules_mapping`, experts into one tensor per layer through its
+`map_expert_name`), and each parameter's `weight_loader` copies in
 this rank's shard. Safetensors tensors arrive as lazy slices, so a rank reads only
 its own rows (of a fused tensor, the whole tensor: it is split before sharding).
 """
@@ -60,6 +61,8 @@ def default_weight_loader(param: nn.Parameter, loaded) -> None:
 
 
 def _map_name(model: nn.Module, name: str) -> tuple[str, object]:
+    if (expert := getattr(model, "map_expert_name", None)) and (mapped := expert(name)) is not None:
+        return mapped  # experts packed per layer (layers/fused_moe.py)
     for fragment, (packed, shard_id) in model.packed_modules_mapping.items():
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{packed}."), shard_id
