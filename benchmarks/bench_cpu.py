@@ -203,7 +203,9 @@ def run_anchor(name: str, python: str, model: str, prompts_file: str, args, dtyp
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_anchors.py")
     cmd = [python, script, name, "--model", model, "--prompts", prompts_file, "--max-tokens", str(args.max_tokens),
            "--dtype", dtype, "--threads", str(torch.get_num_threads())]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": ""}
+    threads = torch.get_num_threads()  # vLLM's CPU workers take their OpenMP threads from this binding
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "",
+           "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ANCHOR_RESULT ")), None)
     if line is None:
@@ -243,6 +245,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="our dtype (default: auto)")
+    ap.add_argument("--quantization", default=None,
+                    help="our quantization (default: the file's, gguf: 4-bit layers packed; gguf_dequant: dense)")
     ap.add_argument("--hf-dtype", default="probe", choices=("probe", *DTYPES),
                     help="HF's dtype; probe: measure both, keep the faster (default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
@@ -281,7 +285,7 @@ def median(values: list[float]) -> float:
 
 
 def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine | None, dict]:
-    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype), lambda m, p, n: ours_generate(m, p, n))
+    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype, quantization=args.quantization), lambda m, p, n: ours_generate(m, p, n))
     probe, hf = {}, None
     if not args.skip_hf:
         dtype = args.hf_dtype
