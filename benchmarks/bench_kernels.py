@@ -31,7 +31,7 @@ COPY_BYTES = 2 << 30          # 2 GiB: far past the 60 MB L2
 REP_MS = 100                  # do_bench repetition budget per measurement (ms)
 PREFILL_GOAL = 1.2            # ours / FlashAttention time, at most
 DECODE_GOAL = 0.8             # fraction of copy bandwidth, at least
-# The anchor shapes (DESIGN.md section 4/5): Qwen3-0.6B attention.
+# The anchor shapes: Qwen3-0.6B attention (the model of B1).
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
 PREFILL_SHAPES = [(16, 1024), (16, 2048)]    # (sequences, tokens each)
 DECODE_SHAPES = [(256, 1024), (8, 8192)]     # (batch, context)

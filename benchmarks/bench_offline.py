@@ -1,4 +1,4 @@
-"""B1: offline throughput, nano-vLLM's bench.py workload (DESIGN.md §5).
+"""B1: offline throughput, nano-vLLM's bench.py workload.
 
 seed(0); 256 prompts of randint(0, 10000) ids with lengths randint(100, 1024);
 max_tokens randint(100, 1024) each; temperature 0.6; ignore_eos; max_model_len 4096.

@@ -1,4 +1,4 @@
-"""HF parity (DESIGN.md §3): tiny random models of every family, fp32 on CPU.
+"""HF parity: tiny random models of every family, fp32 on CPU.
 
 - Greedy ids equal HF's over GEN_LEN new tokens for a batch of prompts of
   different lengths, in four engine modes: plain, prefix-cache hits, chunked

@@ -1,4 +1,4 @@
-"""Bad input (DESIGN.md §6, issue 3 item 7): a clear ValueError naming the value, nothing changed.
+"""Bad input: a clear ValueError naming the value, nothing changed.
 
 Engine settings are checked before a model loads; model config fields the engine
 does not implement are refused at load; request errors (prompts, lengths,

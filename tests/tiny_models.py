@@ -4,6 +4,8 @@ Built with HF transformers from a fixed seed and `initializer_range` 0.2, so the
 greedy continuation varies (at HF's default 0.02 a tiny model repeats one token).
 Both HF and nano-vLLM load the saved directory; HF's model is the reference.
 """
+import inspect
+
 import torch
 from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
                           Qwen2Config, Qwen3Config, Qwen3MoeConfig)
@@ -69,6 +71,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     tokens = []
     for _ in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([[tokens[-1]]], device=model.device), past_key_values=out.past_key_values,
-                    use_cache=True)
+        out = model(torch.tensor([[tokens[-1]]], device=model.device), use_cache=True, **_cache_kwarg(model, out))
     return tokens
+
+
+def _cache_kwarg(model, out) -> dict:
+    """The KV cache of `out` as the next forward call takes it: transformers >= 5.24 names it
+    `cache` (and warns on `past_key_values`), older releases `past_key_values`."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": out.cache}
+    return {"past_key_values": out.past_key_values}

@@ -98,6 +98,7 @@ class ModelRunner:
         quant_config = get_quantization_config(self.config.quantization, self.model_config.quantization_config)
         if quant_config is not None:
             quant_config.check_device(self.device)
+            quant_config.configure(self.device, self.config.dtype)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

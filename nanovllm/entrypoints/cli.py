@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message starting the conversation")
     add_sampling_args(chat.add_argument_group("sampling"), DEFAULT_CHAT_MAX_TOKENS)
     add_engine_args(chat.add_argument_group("engine"))
-    bench = commands.add_parser("bench", help="run a benchmark of DESIGN.md section 5",
+    bench = commands.add_parser("bench", help="run a benchmark script of the source checkout (benchmarks/)",
                                 description="b1: GPU offline throughput (benchmarks/bench_offline.py); "
                                             "b2: CPU throughput vs HF transformers (benchmarks/bench_cpu.py). "
                                             "Arguments after the name go to the script (try: bench b2 --help).")

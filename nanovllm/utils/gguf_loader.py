@@ -7,7 +7,8 @@
   `llama.expert_count` is Mixtral).
 - `iter_gguf_weights(path)`: `(HF-style name, float32 tensor)` for every tensor,
   dequantized by `utils/dequant.py`, with llama.cpp's Q/K row permutation undone
-  for llama and granite files. Expert tensors keep llama.cpp's layout (one tensor per
+  for llama and granite files. A 4-bit weight also carries its raw blocks
+  (`tensor.gguf_raw`, `tensor.gguf_type`) for the CPU's int4 path. Expert tensors keep llama.cpp's layout (one tensor per
   layer with a leading expert dimension, `ffn_*_exps`, or one per expert in older
   Mixtral files, `ffn_*.E`), which `layers/fused_moe.py` packs as it packs HF's.
 - `gguf_tokenizer(path)`: an HF fast tokenizer built from the file's vocabulary,
@@ -218,6 +219,7 @@ def gguf_model_config(path: str) -> ModelConfig:
         eos_token_ids=_eos_ids(md),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         dtype=_file_dtype(header),
+        quantization_config={"quant_method": "gguf"} if _file_dtype(header) is None else None,
         # llama.cpp writes 0 for "no window" (phi3 files of Phi-4)
         sliding_window=md.get(f"{arch}.attention.sliding_window") or None,
         **_granite_scalars(md, arch),
@@ -305,6 +307,9 @@ def _file_dtype(header: GGUFHeader) -> str | None:
 
 # ---- weights -------------------------------------------------------------------
 
+# block types whose raw blocks a weight keeps beside its dequantized values
+QUANTIZED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
 # GGUF tensor name -> HF name; blk.N.<key> maps to model.layers.N.<value>
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
@@ -368,6 +373,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             key = info.name.split(".")[2] if info.name.startswith("blk.") else None
             if arch in PERMUTED_QK and key in heads:
                 tensor = unpermute_qk(tensor, heads[key])
+                raw = unpermute_qk(raw.view(info.shape[0], -1), heads[key])  # whole rows move
+            if len(info.shape) == 2 and info.type_name in QUANTIZED_LINEAR_TYPES:
+                # the file's blocks too, for layers that keep them (layers/quantization/gguf.py)
+                tensor.gguf_raw, tensor.gguf_type = raw, info.type_name
             yield hf_name(info.name, path, arch), tensor
 
 

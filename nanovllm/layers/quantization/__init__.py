@@ -57,8 +57,10 @@ def get_quantization_config(option: str | None, checkpoint_config: dict | None) 
             raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, "
                              f"which is not supported (supported: {_known()})")
         if option is not None and option != method:
-            raise ValueError(f"quantization={option!r} was asked for, but the checkpoint is "
-                             f"quantized with {method!r}")
+            if not QUANTIZATION_METHODS[option].overrides(method):
+                raise ValueError(f"quantization={option!r} was asked for, but the checkpoint is "
+                                 f"quantized with {method!r}")
+            method = option  # e.g. gguf_dequant: the file's blocks loaded dequantized
         return QUANTIZATION_METHODS[method].from_config(checkpoint_config)
     return None if option is None else QUANTIZATION_METHODS[option].from_config({})
 
@@ -104,3 +106,4 @@ __all__ = ["FusedMoEMethod", "LinearMethod", "QuantizationConfig", "UnquantizedL
 
 
 from nanovllm.layers.quantization import fp8  # noqa: E402,F401  (registers "fp8", "compressed-tensors")
+from nanovllm.layers.quantization import cpu_int, gguf  # noqa: E402,F401  (register gguf, gguf_dequant, int4, int8)

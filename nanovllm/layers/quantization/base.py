@@ -109,3 +109,13 @@ class QuantizationConfig:
 
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError when this method cannot run on `device` (e.g. fp8 before sm_89)."""
+
+    def configure(self, device: torch.device, dtype_option: str) -> None:
+        """Called once before the model is built, with its device and `Config.dtype` as given
+        ("auto" or a name): a method may choose its kernels by them."""
+
+    @classmethod
+    def overrides(cls, checkpoint_method: str) -> bool:
+        """True when this method, asked for by name, may load a checkpoint quantized with
+        `checkpoint_method` (e.g. gguf_dequant a GGUF file); otherwise the names must agree."""
+        return False

@@ -1,0 +1,137 @@
+"""GGUF weights on the CPU: 4-bit blocks kept quantized for torch's int4 kernel.
+
+A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
+dequantized, exactly as the dense path does, and also keeps the raw blocks of every
+checkpoint tensor it was loaded from, with where each checkpoint row went (packed q/k/v
+and gate/up rows, this rank's shard). After loading, a layer whose rows are all Q4_0, Q4_1
+or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py) when it runs
+on the CPU; everything else (Q8_0, Q5_K, Q6_K, F16, F32 tensors, layers of mixed types,
+shapes the kernel cannot take, the GPU) stays on the dense path, dequantized. The token
+embedding and the tied LM head are not linear layers: they stay dense (dequantized Q8_0).
+
+Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
+is used when the engine's dtype is "auto" or "bfloat16"; `dtype="float32"` asks for fp32
+products and gets every weight dequantized (exact), as does `quantization="gguf_dequant"`.
+Batches of more than `max_int4_rows` tokens (prefill, large decode batches) run on the
+dense weight, which the layer keeps: there the dense product is faster (the crossover is
+measured per CPU kind, benchmarks/RESULTS.md "B2 CPU, round 2").
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.kernels import cpu_int4
+from nanovllm.layers.quantization import register_quantization
+from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
+                                               set_shard_tags)
+from nanovllm.utils.device import cpu_has_fast_bf16
+
+# Token counts up to which the int4 kernel beats the dense product, per CPU kind, measured
+# with benchmarks/bench_cpu_quant.py on SmolLM2-135M's layers (benchmarks/RESULTS.md "B2 CPU,
+# round 2"): on AVX2 (dense fp32) int4 was 1.5-3x faster up to 16 tokens, slower from 32.
+# AVX512-BF16 (dense bf16) has not been measured here yet: it takes the AVX2 figure.
+MAX_INT4_ROWS = {"avx2": 16, "avx512_bf16": 16}
+_UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
+
+
+@register_quantization("gguf")
+class GGUFConfig(QuantizationConfig):
+    """A GGUF file's weights: 4-bit types packed for the CPU's int4 kernel, the rest dense."""
+
+    def __init__(self):
+        self.packed = True
+        self.max_int4_rows = MAX_INT4_ROWS["avx512_bf16" if cpu_has_fast_bf16() else "avx2"]
+
+    @classmethod
+    def from_config(cls, quant_config: dict) -> "GGUFConfig":
+        return cls()
+
+    def configure(self, device: torch.device, dtype_option: str) -> None:
+        self.packed = device.type == "cpu" and dtype_option != "float32"
+
+    def get_linear_method(self, layer: nn.Module) -> LinearMethod:
+        return GGUFLinearMethod(self) if self.packed else UnquantizedLinearMethod()
+
+    def get_moe_method(self, layer: nn.Module):
+        return None  # experts load dequantized (layers/fused_moe.py's dense method)
+
+
+@register_quantization("gguf_dequant")
+class GGUFDequantConfig(QuantizationConfig):
+    """A GGUF file's weights dequantized at load to the engine's dtype (the dense path)."""
+
+    @classmethod
+    def from_config(cls, quant_config: dict) -> "GGUFDequantConfig":
+        return cls()
+
+    @classmethod
+    def overrides(cls, checkpoint_method: str) -> bool:
+        return checkpoint_method == "gguf"
+
+    def get_linear_method(self, layer: nn.Module) -> LinearMethod:
+        return UnquantizedLinearMethod()
+
+    def get_moe_method(self, layer: nn.Module):
+        return None
+
+
+class GGUFLinearMethod(UnquantizedLinearMethod):
+    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the int4 pack."""
+
+    def __init__(self, config: GGUFConfig):
+        self.max_int4_rows = config.max_int4_rows
+        self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
+        self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
+                       params_dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_size, params_dtype)
+        layer.weight.weight_loader = functools.partial(self._load, layer)
+        source = torch.full((output_size, 2), _UNSET, dtype=torch.float64)
+        self.row_source = set_shard_tags(nn.Parameter(source, requires_grad=False), output_dim=0, input_dim=None)
+
+    def _load(self, layer: nn.Module, param: nn.Parameter, loaded, *shard_id) -> None:
+        """The layer's own loader for the dense weight; then the same rows of (part, row) ids,
+        so that each output row knows which raw GGUF row it came from."""
+        layer.weight_loader(param, loaded, *shard_id)
+        raw, type_name = getattr(loaded, "gguf_raw", None), getattr(loaded, "gguf_type", None)
+        if raw is None:
+            return
+        rows = loaded.shape[0]
+        part = len(self.parts)
+        self.parts.append((type_name, raw.view(rows, -1)))
+        ids = torch.stack([torch.full((rows,), float(part), dtype=torch.float64),
+                           torch.arange(rows, dtype=torch.float64)], 1)  # [rows, 2]
+        layer.weight_loader(self.row_source, ids, *shard_id)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        source = self.row_source.data
+        types = {t for t, _ in self.parts}
+        packable = (layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
+                    and types <= set(cpu_int4.INT4_GGUF_TYPES) and cpu_int4.can_pack(*layer.weight.shape))
+        if packable:
+            q, scale, zero = self._gather(layer, source.long())
+            self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
+        self.parts, self.row_source = [], None  # the raw blocks are not needed any more
+
+    def _gather(self, layer: nn.Module, source: torch.Tensor):
+        """q, scale, zero of this layer's rows (and this rank's columns) from the raw parts."""
+        affine = [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
+        offsets = torch.tensor([0] + [a[0].shape[0] for a in affine]).cumsum(0)
+        index = offsets[source[:, 0]] + source[:, 1]                  # [out]
+        q, scale, zero = (torch.cat(x)[index] for x in zip(*affine))  # [out, ckpt_in], [out, ckpt_in/32]
+        in_features = layer.weight.shape[1]
+        start = 0 if q.shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
+        group = cpu_int4.GROUP_SIZE
+        assert start % group == 0, "a row-parallel shard splits a 4-bit group"
+        return (q[:, start:start + in_features], scale[:, start // group:(start + in_features) // group],
+                zero[:, start // group:(start + in_features) // group])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is None or x.shape[0] > self.max_int4_rows:
+            return F.linear(x, layer.weight, bias)
+        y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
+        return y if bias is None else y + bias
