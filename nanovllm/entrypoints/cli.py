@@ -4,7 +4,7 @@
     nanovllm generate --raw "The capital of France is"      # plain completion, no chat template
     nanovllm chat                                           # interactive; /exit leaves, /reset forgets
     echo "Hi" | nanovllm chat                               # driven through a pipe
-    nanovllm bench b2                                       # CPU throughput vs HF transformers
+    nanovllm bench b2                                       # CPU throughput vs HF, vLLM CPU, llama.cpp
     nanovllm serve [MODEL] --port 8000                      # the OpenAI-compatible server
     nanovllm run-batch -i IN.jsonl -o OUT.jsonl             # an OpenAI batch file (resumable)
 
@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat.add_argument_group("engine"))
     bench = commands.add_parser("bench", help="run a benchmark script of the source checkout (benchmarks/)",
                                 description="b1: GPU offline throughput (benchmarks/bench_offline.py); "
-                                            "b2: CPU throughput vs HF transformers (benchmarks/bench_cpu.py). "
+                                            "b2: CPU throughput vs HF transformers, vLLM's CPU backend and llama.cpp "
+                                            "(benchmarks/bench_cpu.py). "
                                             "Arguments after the name go to the script (try: bench b2 --help).")
     bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark script")
