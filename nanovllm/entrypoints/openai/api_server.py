@@ -16,14 +16,14 @@ works (for `nanovllm --help`) without them.
 """
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
 from contextlib import asynccontextmanager
 
 from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
-from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_response, install_error_handlers
+from nanovllm.entrypoints.openai.errors import (APIError, bad_request, check_api_key, error_response,
+                                                 install_error_handlers)
 from nanovllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_config
 from nanovllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from nanovllm.entrypoints.openai.protocol import (parse_chat_request, parse_completion_request,
@@ -157,12 +157,7 @@ class ServerState:
 
     def check_api_key(self, request) -> None:
         """The guarded routes' dependency: a constant-time compare with the configured key."""
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        check_api_key(request, self.api_key)
 
     async def read_json(self, request) -> dict:
         return await read_json_object(request, self.max_request_body_bytes)

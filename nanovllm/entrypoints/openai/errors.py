@@ -7,6 +7,7 @@ Handlers raise `APIError` (or a helper below) for anything the client got wrong;
 `install_error_handlers` turns it, Starlette's own HTTP errors (unknown route,
 wrong method) and any unexpected exception into that body with the right status.
 """
+import hmac
 import logging
 from http import HTTPStatus
 
@@ -31,6 +32,24 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
+
+
+def check_api_key(request, api_key: bytes | None) -> None:
+    """401 unless `request` carries `Authorization: Bearer <api_key>` (constant-time compare);
+    nothing to check when no key is configured."""
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+def check_model(model: str | None, served_model_names: list[str]) -> None:
+    """404 unless `model` is None or one of the names this server answers to."""
+    if model is not None and model not in served_model_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served_model_names[0]!r}",
+                       "model", "model_not_found")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from nanovllm.entrypoints.openai.errors import APIError, bad_request, error_body
+from nanovllm.entrypoints.openai.errors import APIError, bad_request, check_model, error_body
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanovllm.outputs import Logprob, RequestOutput
@@ -71,9 +71,7 @@ class OpenAIServing:
         return chunk if usage is None else {**chunk, "usage": usage.as_dict()}
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        check_model(model, self.served_model_names)
 
     def sampling_params(self, kwargs: dict) -> SamplingParams:
         """Build SamplingParams, the model's generation_config.json defaults under the request's

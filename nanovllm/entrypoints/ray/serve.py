@@ -22,7 +22,6 @@ Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models (these need t
 key when one is set), /health, /version, /metrics.
 """
 import argparse
-import hmac
 import logging
 import os
 import signal
@@ -36,7 +35,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from nanovllm.config import DEFAULT_BLOCK_SIZE
 from nanovllm.entrypoints.openai.api_server import (DEFAULT_MAX_REQUEST_BODY_BYTES as DEFAULT_MAX_BODY,
                                                     DEFAULT_SHUTDOWN_TIMEOUT_S, read_json_object)
-from nanovllm.entrypoints.openai.errors import APIError, error_body, error_response, install_error_handlers
+from nanovllm.entrypoints.openai.errors import (APIError, check_api_key, check_model, error_body, error_response,
+                                                 install_error_handlers)
 from nanovllm.entrypoints.openai.metrics import CONTENT_TYPE
 from nanovllm.entrypoints.openai.protocol import parse_chat_request, parse_completion_request
 from nanovllm.entrypoints.ray import metrics as board
@@ -185,9 +185,9 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        self._check_api_key(request)
+        check_api_key(request, self.api_key)
         req = parse_completion_request(await read_json_object(request, self.max_request_body_bytes))
-        self._check_model(req.model)
+        check_model(req.model, self.served_model_names)
         first = req.prompts[0]
         tokens = first if isinstance(first, list) else self._encode(first, True)
         return await self._forward(COMPLETION, req, tokens)
@@ -195,9 +195,9 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         from nanovllm.entrypoints.openai.errors import bad_request
-        self._check_api_key(request)
+        check_api_key(request, self.api_key)
         req = parse_chat_request(await read_json_object(request, self.max_request_body_bytes))
-        self._check_model(req.model)
+        check_model(req.model, self.served_model_names)
         if self.chat_template is None:
             raise bad_request("this model has no chat template; start the server with --chat-template FILE",
                               "messages")
@@ -206,7 +206,7 @@ class OpenAIIngress:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
-        self._check_api_key(request)
+        check_api_key(request, self.api_key)
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "nanovllm"}
                                            for name in self.served_model_names]}
 
@@ -247,19 +247,6 @@ class OpenAIIngress:
         if head["status"] != 200:
             return JSONResponse(head["body"], status_code=head["status"])
         return StreamingResponse(_relay(stream), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    def _check_api_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.served_model_names[0]!r}", "model", "model_not_found")
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         from nanovllm.entrypoints.openai.errors import bad_request
