@@ -14,11 +14,18 @@ Variants (`--variants`) change the decode tiles, the split-KV policy, the cache 
 head is 4 KiB contiguous; the kernels take strides, so the same code reads it through a
 permuted view) or the order of the batch (`lpt*`: longest contexts first).
 
+`--kv-cache-dtype` times the same batches over a bf16 cache (`auto`) and/or an fp8 one (e4m3,
+per-head scales; its bytes count 1 per element), and `--kernels NAME=FILE,...` times other
+copies of kernels/triton_attn.py beside the engine's (an A/B of a kernel change in one run).
+
     python benchmarks/bench_b1_attention.py [--every 32] [--variants base,n64s4,...]
+    python benchmarks/bench_b1_attention.py --kv-cache-dtype auto,fp8 --kernels old=/tmp/triton_attn_old.py
 """
 import argparse
+import importlib.util
 import json
 import time
+from types import ModuleType
 
 import torch
 import triton.testing
@@ -27,7 +34,8 @@ from bench_offline import copy_bandwidth, workload
 from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels import triton_attn as ta
+from nanovllm.kernels import kv_quant
+from nanovllm.kernels import triton_attn as engine_kernels
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 16, 8, 128  # Qwen3-0.6B
 BLOCK_SIZE, MAX_MODEL_LEN, ROUND_STEPS = 16, 4096, DEFAULT_GPU_SCHEDULER_STEPS
@@ -40,6 +48,10 @@ VARIANTS = {
     "n64s4": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "tokens_major"),
     "n64s3": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=3), "tokens_major"),
     "n128s2": (dict(DECODE_BLOCK_N=128, DECODE_NUM_STAGES=2), "tokens_major"),
+    "n128s4": (dict(DECODE_BLOCK_N=128, DECODE_NUM_STAGES=4), "tokens_major"),
+    "n256s2": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=2), "tokens_major"),
+    "n256s3": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=3), "tokens_major"),
+    "n256w8": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=2, DECODE_NUM_WARPS=8), "tokens_major"),
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
     "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
     "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
@@ -79,23 +91,31 @@ def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], 
     return samples, top
 
 
-def kv_caches(num_blocks: int, layout: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(num_blocks: int, layout: str, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     caches = []
     for _ in range(NUM_LAYERS):
         pair = []
         for _ in range(2):
             if layout == "heads_major":
-                t = torch.empty(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=torch.bfloat16,
+                t = torch.empty(num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=dtype,
                                 device="cuda").permute(0, 2, 1, 3)
             else:
-                t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+                t = torch.empty(shape, dtype=dtype, device="cuda")
             pair.append(t)
         caches.append(tuple(pair))
     return caches
 
 
-def time_step(tables: list[list[int]], ctx: list[int], caches) -> float:
+def load_kernels(name: str, path: str) -> ModuleType:
+    """Another copy of kernels/triton_attn.py, imported from `path` under its own name."""
+    spec = importlib.util.spec_from_file_location(f"bench_kernels_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_step(tables: list[list[int]], ctx: list[int], caches, ta: ModuleType) -> float:
     """Seconds for the attention of every layer of one decode step (CUDA-graph replay)."""
     n = len(ctx)
     width = max(len(t) for t in tables)
@@ -106,29 +126,34 @@ def time_step(tables: list[list[int]], ctx: list[int], caches) -> float:
     cu = torch.arange(n + 1, dtype=torch.int32, device="cuda")
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
+    scales = {}
+    if kv_quant.is_fp8(caches[0][0].dtype):  # per-head scales, as the engine's
+        scales = dict(k_scale=torch.full((NUM_KV_HEADS,), 0.02, device="cuda"),
+                      v_scale=torch.full((NUM_KV_HEADS,), 0.01, device="cuda"))
 
     def step():
         for k_cache, v_cache in caches:
             ta.paged_attention(q, k_cache, v_cache, cu, seq_lens, bt, HEAD_DIM ** -0.5, max_seqlen_q=1,
-                               max_seqlen_k=MAX_MODEL_LEN, out=out)
+                               max_seqlen_k=MAX_MODEL_LEN, out=out, **scales)
     step()
     return triton.testing.do_bench_cudagraph(step, rep=REP_MS) / 1e3
 
 
-def run_variant(name: str, samples, num_blocks: int, bandwidth: float) -> dict:
+def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: torch.dtype = torch.bfloat16,
+                ta: ModuleType = engine_kernels) -> dict:
     constants, layout, *order = VARIANTS[name]
     saved = {k: getattr(ta, k) for k in constants}
     for k, v in constants.items():
         setattr(ta, k, v)
     try:
-        caches = kv_caches(num_blocks, layout)
+        caches = kv_caches(num_blocks, layout, dtype)
         total_s, total_bytes, by_batch = 0.0, 0, {}
         for weight, tables, ctx in samples:
             if order:  # the batch's sequences longest first
                 rows = sorted(range(len(ctx)), key=lambda i: -ctx[i])
                 tables, ctx = [tables[i] for i in rows], [ctx[i] for i in rows]
-            seconds = time_step(tables, ctx, caches)
-            nbytes = sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2 * 2 * NUM_LAYERS
+            seconds = time_step(tables, ctx, caches, ta)
+            nbytes = sum(ctx) * NUM_KV_HEADS * HEAD_DIM * 2 * dtype.itemsize * NUM_LAYERS
             total_s += weight * seconds
             total_bytes += weight * nbytes
             bucket = 1 << (len(ctx) - 1).bit_length()
@@ -140,7 +165,7 @@ def run_variant(name: str, samples, num_blocks: int, bandwidth: float) -> dict:
     finally:
         for k, v in saved.items():
             setattr(ta, k, v)
-    return {"variant": name, "attention_s": round(total_s, 3),
+    return {"variant": name, "kv_cache_dtype": str(dtype).removeprefix("torch."), "attention_s": round(total_s, 3),
             "fraction_of_copy_bw": round(total_bytes / bandwidth / total_s, 3),
             "by_batch": {b: [round(s, 3), round(nb / bandwidth / s, 3)] for b, (s, nb) in sorted(by_batch.items())}}
 
@@ -151,19 +176,29 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per layer (default: what 85%% of free GPU memory holds, as B1's engine)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of the engine's kv_cache_dtype values: auto (bf16), fp8, fp8_e5m2, ...")
+    ap.add_argument("--kernels", default="",
+                    help="comma list of NAME=FILE: copies of kernels/triton_attn.py timed beside the engine's")
     args = ap.parse_args()
     t0 = time.perf_counter()
     samples, top = b1_steps(args.every)
     bandwidth = copy_bandwidth()
-    free, _ = torch.cuda.mem_get_info()
-    per_block = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
-    num_blocks = args.num_blocks or int(free * 0.85 // per_block)
-    assert num_blocks >= top, f"the cache must hold the {top} blocks B1's tables reach"
-    print(f"{len(samples)} sampled steps; tables reach block {top}; cache {num_blocks} blocks/layer; "
+    kernels = {"engine": engine_kernels}
+    kernels.update((name, load_kernels(name, path)) for name, path in
+                   (item.split("=", 1) for item in args.kernels.split(",") if item))
+    print(f"{len(samples)} sampled steps; tables reach block {top}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s ({time.perf_counter() - t0:.0f} s to set up)")
-    for name in args.variants.split(","):
-        result = run_variant(name, samples, num_blocks, bandwidth)
-        print(json.dumps(result))
+    for dtype_name in args.kv_cache_dtype.split(","):
+        dtype = kv_quant.resolve_kv_cache_dtype(dtype_name, torch.bfloat16)
+        free, _ = torch.cuda.mem_get_info()
+        per_block = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+        num_blocks = args.num_blocks or int(free * 0.85 // per_block)
+        assert num_blocks >= top, f"the cache must hold the {top} blocks B1's tables reach"
+        for kernel_name, ta in kernels.items():
+            for name in args.variants.split(","):
+                result = run_variant(name, samples, num_blocks, bandwidth, dtype, ta)
+                print(json.dumps({"kernels": kernel_name, "cache_blocks": num_blocks, **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
+from nanovllm.kernels.kv_quant import resolve_kv_cache_dtype  # noqa: E402
 
 QWEN3_0_6B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072,
@@ -73,15 +74,16 @@ def copy_bandwidth() -> float:
     return 2 * COPY_BYTES / sorted(times[2:])[len(times[2:]) // 2]
 
 
-def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2) -> int:
+def roofline_bytes(cfg: dict, prompts, params, dtype_bytes: int = 2, kv_bytes: int | None = None) -> int:
     """Bytes a decode-only schedule must move: weights once per step (all sequences run
     together, so steps = the longest max_tokens), every context's K/V read at every
-    step, every new token's K/V written once."""
+    step, every new token's K/V written once. `kv_bytes`: a K/V element's size (default
+    `dtype_bytes`; 1 for an fp8 cache)."""
     h, i, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     layer_params = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * cfg["head_dim"]
     weights = (L * layer_params + h * cfg["vocab_size"] + h) * dtype_bytes
-    kv_per_token = 2 * L * kv * dtype_bytes
+    kv_per_token = 2 * L * kv * (dtype_bytes if kv_bytes is None else kv_bytes)
     steps = max(p.max_tokens for p in params)
     reads = sum(m * len(pr) + m * (m - 1) // 2 for pr, m in zip(prompts, (p.max_tokens for p in params)))
     writes = sum(len(pr) + p.max_tokens for pr, p in zip(prompts, params))
@@ -223,6 +225,7 @@ def main():
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (auto, fp8, ...)")
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="decode steps per scheduling round (default: the engine's)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -246,7 +249,7 @@ def main():
               max_model_len=4096,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     load_s = time.perf_counter() - t0
     # bench.py's warm-up: one short prompt (fresh ids, no prefix shared with the workload)
     variants = VariantCounter().__enter__()
@@ -272,7 +275,7 @@ def main():
               "ms_per_step": per_step(elapsed), "gpu_ms_per_step": per_step(gpu_s),
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),
-              "tensor_parallel_size": args.tensor_parallel_size,
+              "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_dtype": args.kv_cache_dtype,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         stats = torch.cuda.memory_stats()  # rank 0's; retries mean cudaFree + re-malloc (a device sync)
@@ -281,7 +284,8 @@ def main():
         result.update(_later_call(llm, later_prompts, later_params, tokens / elapsed, variants))
         bandwidth = copy_bandwidth()
         # each of the tensor-parallel GPUs moves its share of the bytes, at the same time
-        floor_s = roofline_bytes(cfg, prompts, params) / bandwidth / args.tensor_parallel_size
+        kv_bytes = resolve_kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16).itemsize  # the model is bf16
+        floor_s = roofline_bytes(cfg, prompts, params, kv_bytes=kv_bytes) / bandwidth / args.tensor_parallel_size
         result.update(copy_tb_per_s=round(bandwidth / 1e12, 3), roofline_s=round(floor_s, 3),
                       roofline_tok_per_s=round(tokens / floor_s, 1),
                       roofline_fraction=round(floor_s / elapsed, 3))

@@ -27,9 +27,16 @@ and SGLang's split-KV decode describe, written anew here):
 
 FP8 KV cache (`kernels/kv_quant.py`): with an fp8 cache both kernels take per-KV-head
 float32 scales `k_scale` / `v_scale` (`[num_kv_heads]`). The store quantizes as it
-writes (`fp8(clamp(x / scale))`); attention casts each K/V tile to the query dtype
-as it reads it and folds the scales in where they cost nothing: a program serves one KV
-head, so `k_scale` multiplies the softmax scale and `v_scale` the finished output.
+writes (`fp8(clamp(x / scale))`); attention converts each K/V tile as it reads it and
+folds the scales in where they cost nothing: a program serves one KV head, so `k_scale`
+multiplies the softmax scale and `v_scale` the finished output. The products run in
+fp16 for 16-bit queries (fp32 for fp32 ones): e4m3 and e5m2 values are exact in fp16
+(one hardware conversion per two values; bf16 takes three instructions), and the
+probabilities keep 3 more bits than in bf16; the queries are converted once per program.
+The V tile is converted in the layout it was loaded in, and only then rearranged for the
+product: left alone, Triton moves that rearrangement ahead of the conversion, onto the
+8-bit values, which cannot be read transposed from shared memory and were read one byte
+at a time (128 byte loads per thread and tile; the fp8 kernel ran slower than bf16's).
 Variants: `KV_FP8` (from the cache dtype) doubles each kernel's constexpr set, nothing
 else; e4m3 and e5m2 caches are separate compilations through the pointer dtype.
 
@@ -51,9 +58,11 @@ from nanovllm.kernels import kv_quant
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
+WGMMA_MIN_M = tl.constexpr(64)  # Hopper's wgmma (operands from shared memory) needs >= 64 rows
 # Running maximum starts finite, so a row with no visible key in a tile gets p = 0
 # (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
+FP16_MAX = tl.constexpr(65504.0)  # queries beyond it (none in practice) are clamped, not made inf
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -209,8 +218,9 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """One online-softmax step of the query tile over KV tile `tile`."""
+                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One online-softmax step of the query tile over KV tile `tile`. With KV_FP8, `q` is
+    already in the products' dtype (`_fp8_products_dtype`)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_kb, stride_kr, stride_kh, HEAD_DIM, HEAD_DIM_PAD,
@@ -226,8 +236,22 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    v = v.to(q.dtype)
+    if KV_FP8 and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode) take V from registers:
+        # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
+        # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
+        v = v + (ctx_len < 0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _fp8_products_dtype(q):
+    """The query tile in the dtype of the products over an fp8 tile: fp16 for 16-bit
+    queries (fp8 K/V are exact in it), fp32 queries as they are."""
+    if q.dtype == tl.float32:
+        return q
+    return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
 
 @triton.jit
@@ -279,6 +303,8 @@ def _unified_attention_kernel(
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
     q = _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
                      HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
+    if KV_FP8:
+        q = _fp8_products_dtype(q)
 
     # KV tiles this program covers, and how many of them every row sees whole.
     first_pos = ctx_len - q_len + q_block * BLOCK_Q
@@ -299,13 +325,13 @@ def _unified_attention_kernel(
             acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
             stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            False, DOT_PRECISION)
+            False, DOT_PRECISION, KV_FP8)
     for tile in range(masked_begin, tile_end):
         acc, m_i, l_i = _attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
             stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            True, DOT_PRECISION)
+            True, DOT_PRECISION, KV_FP8)
 
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
