@@ -52,6 +52,13 @@ VARIANTS = {
     "n256s2": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=2), "tokens_major"),
     "n256s3": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=3), "tokens_major"),
     "n256w8": (dict(DECODE_BLOCK_N=256, DECODE_NUM_STAGES=2, DECODE_NUM_WARPS=8), "tokens_major"),
+    # decode tiles over an fp8 cache (DECODE_FP8_*): fp8 tiles hold half the bytes, and the kernel's
+    # throughput followed the bytes in flight per multiprocessor (CTAs x K/V buffers x tile bytes)
+    "f8n64s5": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8n64s7": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=7), "tokens_major"),
+    "f8n128s5": (dict(DECODE_FP8_BLOCK_N=128, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8n64w2s5": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8n32w2s8": (dict(DECODE_FP8_BLOCK_N=32, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=8), "tokens_major"),
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
     "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
     "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
@@ -170,6 +177,16 @@ def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: to
             "by_batch": {b: [round(s, 3), round(nb / bandwidth / s, 3)] for b, (s, nb) in sorted(by_batch.items())}}
 
 
+def print_best(log: str, kv_cache_dtype: str) -> None:
+    """The constants of the fastest engine-kernel variant in a log of this script (JSON lines)."""
+    dtype = str(kv_quant.resolve_kv_cache_dtype(kv_cache_dtype, torch.bfloat16)).removeprefix("torch.")
+    with open(log) as f:
+        rows = [json.loads(line) for line in f if line.startswith("{")]
+    rows = [r for r in rows if r["kernels"] == "engine" and r["kv_cache_dtype"] == dtype]
+    best = min(rows, key=lambda r: r["attention_s"])
+    print(json.dumps(VARIANTS[best["variant"]][0]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--every", type=int, default=32, help="sample every N-th decode step")
@@ -180,7 +197,12 @@ def main():
                     help="comma list of the engine's kv_cache_dtype values: auto (bf16), fp8, fp8_e5m2, ...")
     ap.add_argument("--kernels", default="",
                     help="comma list of NAME=FILE: copies of kernels/triton_attn.py timed beside the engine's")
+    ap.add_argument("--best", metavar="LOG",
+                    help="print the triton_attn constants (JSON) of the variant with the least attention "
+                         "time among LOG's results for --kv-cache-dtype, then exit")
     args = ap.parse_args()
+    if args.best:
+        return print_best(args.best, args.kv_cache_dtype)
     t0 = time.perf_counter()
     samples, top = b1_steps(args.every)
     bandwidth = copy_bandwidth()

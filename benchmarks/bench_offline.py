@@ -226,6 +226,9 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (auto, fp8, ...)")
+    ap.add_argument("--attn-constants", metavar="JSON", default="{}",
+                    help="kernels/triton_attn.py tile constants to set first, e.g. "
+                         "'{\"DECODE_FP8_BLOCK_N\": 64}' (an A/B of a tile against the default)")
     ap.add_argument("--num-scheduler-steps", type=int, default=None,
                     help="decode steps per scheduling round (default: the engine's)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -240,6 +243,7 @@ def main():
     ap.add_argument("--trace-windows", type=int, default=3)
     ap.add_argument("--trace-host", action="store_true", help="also record host-side torch ops (slower host)")
     args = ap.parse_args()
+    set_attn_constants(json.loads(args.attn_constants))
     cfg = SMALL if args.small else QWEN3_0_6B
     num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
     prompts, params = workload(num_seqs, max_len, max_len)
@@ -276,6 +280,7 @@ def main():
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),
               "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_dtype": args.kv_cache_dtype,
+              "attn_constants": json.loads(args.attn_constants),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():
         stats = torch.cuda.memory_stats()  # rank 0's; retries mean cudaFree + re-malloc (a device sync)
@@ -305,6 +310,15 @@ def main():
     if args.trace:
         trace(llm, prompts, params, args.trace, args.trace_skip, args.trace_steps, args.trace_windows,
               args.trace_host)
+
+
+def set_attn_constants(constants: dict) -> None:
+    """Set tile constants of the attention kernels (in this process: tensor parallelism 1)."""
+    from nanovllm.kernels import triton_attn
+    for name, value in constants.items():
+        if not hasattr(triton_attn, name):
+            raise ValueError(f"kernels/triton_attn.py has no constant {name!r}")
+        setattr(triton_attn, name, value)
 
 
 def _later_call(llm, prompts, params, first_tok_per_s: float, variants: VariantCounter) -> dict:

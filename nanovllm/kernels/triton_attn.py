@@ -31,7 +31,7 @@ writes (`fp8(clamp(x / scale))`); attention converts each K/V tile as it reads i
 folds the scales in where they cost nothing: a program serves one KV head, so `k_scale`
 multiplies the softmax scale and `v_scale` the finished output. The products run in
 fp16 for 16-bit queries (fp32 for fp32 ones): e4m3 and e5m2 values are exact in fp16
-(one hardware conversion per two values; bf16 takes three instructions), and the
+(one conversion instruction per two values; to bf16 it takes two more), and the
 probabilities keep 3 more bits than in bf16; the queries are converted once per program.
 The V tile is converted in the layout it was loaded in, and only then rearranged for the
 product: left alone, Triton moves that rearrangement ahead of the conversion, onto the
@@ -45,7 +45,8 @@ tensor shapes and host-known keyword arguments, so a decode batch can be capture
 CUDA graph. Head sizes that are not a power of two are padded and masked.
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
-counts, head size, block size, dtype) the attention kernel has 4, decode or prefill tiles
+counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
+DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
 kernel 1, the store kernel 1. The block-table width and the split workspace strides vary at
 run time and are `do_not_specialize`.
@@ -77,6 +78,11 @@ PREFILL_NUM_STAGES = 4  # K/V tiles in flight (software pipelining)
 DECODE_BLOCK_N = 128    # keys per KV tile in decode
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# Decode tiles over an fp8 cache: half the bytes per tile, so more tiles must be in flight
+# for the same bandwidth (measured in bench_b1_attention.py, RESULTS.md "FP8 KV at B1").
+DECODE_FP8_BLOCK_N = 128
+DECODE_FP8_NUM_WARPS = 4
+DECODE_FP8_NUM_STAGES = 3
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -219,8 +225,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
-    """One online-softmax step of the query tile over KV tile `tile`. With KV_FP8, `q` is
-    already in the products' dtype (`_fp8_products_dtype`)."""
+    """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
+    q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_kb, stride_kr, stride_kh, HEAD_DIM, HEAD_DIM_PAD,
@@ -244,14 +250,6 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
-
-@triton.jit
-def _fp8_products_dtype(q):
-    """The query tile in the dtype of the products over an fp8 tile: fp16 for 16-bit
-    queries (fp8 K/V are exact in it), fp32 queries as they are."""
-    if q.dtype == tl.float32:
-        return q
-    return tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
 
 @triton.jit
@@ -278,7 +276,8 @@ def _unified_attention_kernel(
         QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+        FP16_PRODUCTS: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -303,8 +302,8 @@ def _unified_attention_kernel(
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
     q = _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
                      HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
-    if KV_FP8:
-        q = _fp8_products_dtype(q)
+    if FP16_PRODUCTS:  # an fp8 cache with 16-bit queries
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
     # KV tiles this program covers, and how many of them every row sees whole.
     first_pos = ctx_len - q_len + q_block * BLOCK_Q
@@ -417,10 +416,13 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
 
 
-def _tile_config(max_seqlen_q: int, qpk_pad: int) -> dict:
+def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False) -> dict:
     """Tile shape and launch settings: decode tiles when no sequence has > 1 query."""
     if max_seqlen_q == 1:
         block_m = max(MIN_DOT_DIM, qpk_pad)
+        if kv_fp8:
+            return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_FP8_BLOCK_N,
+                        num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES)
         return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
                     num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
     block_m = max(PREFILL_BLOCK_M, qpk_pad)
@@ -467,13 +469,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_seqlen_q is None:
         max_seqlen_q = num_tokens - num_seqs + 1
     qpk = num_heads // num_kv_heads
-    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk))
+    kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
+    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8)
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
                                         max_seqlen_k, q.device)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
-    kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
@@ -486,7 +488,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8, **cfg)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
+        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
