@@ -77,9 +77,13 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 4  # K/V tiles in flight (software pipelining)
 DECODE_BLOCK_N = 128    # keys per KV tile in decode
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 3
-# Decode tiles over an fp8 cache: half the bytes per tile, so more tiles must be in flight
-# for the same bandwidth (measured in bench_b1_attention.py, RESULTS.md "FP8 KV at B1").
+# 2, not 3: B1's decode attention replayed took 3.73 s against 3.86 in two device calls, and
+# B1 ran at 25,040 tok/s against 24,256 in one call (RESULTS.md "FP8 KV at B1, bf16's tile");
+# one 32k-token decode 1.170 ms against 1.202 ("GPU round 2")
+DECODE_NUM_STAGES = 2
+# Decode tiles over an fp8 cache, tuned apart (RESULTS.md "FP8 KV at B1"): 128/4/3 replayed
+# fastest of 11 shapes (2 stages: 3.52 s against 3.24; 64- and 256-key tiles, 2 warps
+# and 5-8 stages slower)
 DECODE_FP8_BLOCK_N = 128
 DECODE_FP8_NUM_WARPS = 4
 DECODE_FP8_NUM_STAGES = 3
