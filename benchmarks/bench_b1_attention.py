@@ -59,6 +59,7 @@ VARIANTS = {
     "f8n128s5": (dict(DECODE_FP8_BLOCK_N=128, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
     "f8n64w2s5": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
     "f8n32w2s8": (dict(DECODE_FP8_BLOCK_N=32, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=8), "tokens_major"),
+    "f8n128w8": (dict(DECODE_FP8_NUM_WARPS=8), "tokens_major"),  # 122 registers: 16 warps a multiprocessor
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
     "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
     "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
