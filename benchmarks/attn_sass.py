@@ -1,0 +1,107 @@
+"""The paged-attention kernel compiled for a GPU without one: shared memory, registers and
+the machine code of its main loop, per cache dtype and tile.
+
+`triton.compile` runs the whole NVIDIA pipeline (TTGIR, PTX, ptxas) on any machine with
+Triton's bundled CUDA tools, so a kernel change can be read before device time is spent on
+it: how the fp8 decode tile read its V tile a byte at a time (`ld.shared.b8`) was found this
+way (benchmarks/RESULTS.md, "FP8 KV at B1"). Install the device's Triton beside it (e.g.
+`pip install --target /tmp/tr triton==3.6.0`, then `PYTHONPATH=/tmp/tr`) to see its code.
+The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, block size 16).
+
+    python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
+    python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
+"""
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm.kernels import triton_attn as ta  # noqa: E402
+
+KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
+QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16
+ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kr", "stride_kh",
+           "stride_vb", "stride_vr", "stride_vh")  # strides Triton sees as multiples of 16 in the engine
+
+
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
+    fn = ta._unified_attention_kernel
+    fp8 = kv != "auto"
+    consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
+                  HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
+                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8)
+    pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
+                    k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
+                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+                 for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def sass_of(kernel, keep: str | None, name: str) -> str:
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = os.path.join(keep or "/tmp", f"{name}.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    if keep:
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(keep, f"{name}.{ext}"), "w") as f:
+                f.write(kernel.asm[ext])
+        with open(os.path.join(keep, f"{name}.sass"), "w") as f:
+            f.write(sass)
+    return sass, usage
+
+
+def first_loop(sass: str) -> list[str]:
+    """Opcodes (with modifiers) from the target of the first backward branch to that branch."""
+    rows = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);", sass)]
+    for addr, op, rest in rows:
+        target = re.match(r"(0x[0-9a-f]+)", rest)
+        if op == "BRA" and target and int(target.group(1), 16) < addr:
+            return [o for a, o, _ in rows if int(target.group(1), 16) <= a <= addr]
+    return []
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma list of kv_cache_dtype values")
+    ap.add_argument("--tiles", default="", help="comma list of BLOCK_N/warps/stages (default: the engine's)")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
+    args = ap.parse_args()
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    for kv in args.kv.split(","):
+        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES) if kv != "auto"
+                  else (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES))
+        tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
+        for block_n, warps, stages in tiles:
+            name = f"decode_{kv}_{block_n}_{warps}_{stages}"
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch)
+            sass, usage = sass_of(kernel, args.keep, name)
+            loop = collections.Counter(first_loop(sass))
+            regs = re.search(r"REG:(\d+)", usage)
+            spills = len(re.findall(r"\bSTL\b", sass))
+            loop_spills = sum(n for op, n in loop.items() if op.startswith(("STL", "LDL")))
+            print(f"{name}: shared {kernel.metadata.shared} B, registers {regs.group(1) if regs else '?'}, "
+                  f"spill stores {spills} (local loads/stores in the main loop {loop_spills}), "
+                  f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, main loop {sum(loop.values())} instructions")
+            print("   " + " ".join(f"{op}:{n}" for op, n in loop.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
