@@ -33,8 +33,8 @@ multiplies the softmax scale and `v_scale` the finished output. The products run
 fp16 for 16-bit queries (fp32 for fp32 ones): e4m3 and e5m2 values are exact in fp16
 (one conversion instruction per two values; to bf16 it takes two more), and the
 probabilities keep 3 more bits than in bf16; the queries are converted once per program.
-The V tile is converted in the layout it was loaded in, and only then rearranged for the
-product: left alone, Triton moves that rearrangement ahead of the conversion, onto the
+In decode tiles (mma.sync) the V tile is converted in the layout it was loaded in, and only
+then rearranged for the product: left alone, Triton moves that rearrangement ahead of the conversion, onto the
 8-bit values, which cannot be read transposed from shared memory and were read one byte
 at a time (128 byte loads per thread and tile; the fp8 kernel ran slower than bf16's).
 Variants: `KV_FP8` (from the cache dtype) doubles each kernel's constexpr set, nothing
@@ -78,7 +78,7 @@ PREFILL_NUM_STAGES = 4  # K/V tiles in flight (software pipelining)
 DECODE_BLOCK_N = 128    # keys per KV tile in decode
 DECODE_NUM_WARPS = 4
 # 2, not 3: B1's decode attention replayed took 3.73 s against 3.86 in two device calls, and
-# B1 ran at 25,040 tok/s against 24,256 in one call (RESULTS.md "FP8 KV at B1, bf16's tile");
+# B1 ran at 25,040 tok/s against 24,256 in one call (RESULTS.md "FP8 KV at B1");
 # one 32k-token decode 1.170 ms against 1.202 ("GPU round 2")
 DECODE_NUM_STAGES = 2
 # Decode tiles over an fp8 cache, tuned apart (RESULTS.md "FP8 KV at B1"): 128/4/3 replayed
@@ -253,7 +253,6 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
         v = v + (ctx_len < 0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
 
 
 @triton.jit
