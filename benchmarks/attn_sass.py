@@ -48,13 +48,14 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def sass_of(kernel, keep: str | None, name: str) -> str:
+def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(keep or "/tmp", f"{name}.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
-    sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-    usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+    def cuobjdump(option: str) -> str:
+        return subprocess.run([os.path.join(tools, "cuobjdump"), option, path], capture_output=True, text=True).stdout
+    sass, usage = cuobjdump("-sass"), cuobjdump("-res-usage")
     if keep:
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(keep, f"{name}.{ext}"), "w") as f:
@@ -99,7 +100,8 @@ def main() -> None:
             loop_spills = sum(n for op, n in loop.items() if op.startswith(("STL", "LDL")))
             print(f"{name}: shared {kernel.metadata.shared} B, registers {regs.group(1) if regs else '?'}, "
                   f"spill stores {spills} (local loads/stores in the main loop {loop_spills}), "
-                  f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, main loop {sum(loop.values())} instructions")
+                  f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, "
+                  f"main loop {sum(loop.values())} instructions")
             print("   " + " ".join(f"{op}:{n}" for op, n in loop.most_common(16)))
 
 
