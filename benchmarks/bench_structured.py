@@ -10,7 +10,7 @@ HF tokenizer directory; Qwen3's matches the model's vocabulary).
 
 CPU (--cpu-mask): the host's per-step cost of the masks at batch 64: 64 matchers on one
 schema walk random valid paths; per step, filling the 64 bitmask rows from the matchers
-(SamplingMetadata's `_token_bitmask`), applying them to [64, vocab] float32 logits
+(sampling_metadata.fill_token_bitmask), applying them to [64, vocab] float32 logits
 (layers/sampler.py `apply_token_bitmask`), and each matcher accepting its token; beside
 them, one copy of the logits as a yardstick of the machine's speed at the time.
 
@@ -68,7 +68,7 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
 
 
 def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
-    from nanovllm.engine.sampling_metadata import _token_bitmask
+    from nanovllm.engine.sampling_metadata import fill_token_bitmask
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import apply_token_bitmask
     from nanovllm.structured_outputs.manager import StructuredOutputManager
@@ -88,7 +88,7 @@ def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
         logits.clone()  # a reference on the same machine: one pass over the logits
         copy.append(time.perf_counter() - t)
         t0 = time.perf_counter()
-        bitmask = _token_bitmask(seqs, vocab, torch.device("cpu"))
+        bitmask = fill_token_bitmask(seqs, vocab, torch.device("cpu"))
         t1 = time.perf_counter()
         masked = apply_token_bitmask(logits, bitmask)
         t2 = time.perf_counter()

@@ -47,6 +47,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None         # [num_seqs] float32 (1.0 where off)
     min_p: torch.Tensor | None = None         # [num_seqs] float32 (0.0 where off)
     seeds: dict[int, int] = field(default_factory=dict)  # row -> seed of this step's draw
+    # row -> (the request's seed, position of the token drawn at build): advance_seeds' origin
+    seed_positions: dict[int, tuple[int, int]] = field(default_factory=dict)
     output_counts: torch.Tensor | None = None  # [num_seqs, vocab] float32, occurrences in the output
     prompt_mask: torch.Tensor | None = None    # [num_seqs, vocab] bool, token is in the prompt
     repetition_penalties: torch.Tensor | None = None  # [num_seqs] float32
@@ -61,7 +63,10 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
+              with_token_bitmask: bool = True) -> "SamplingMetadata":
+        """`with_token_bitmask=False`: leave the grammar bitmask to the caller (a lazy decode
+        round fills one per step, engine/decode_round.py)."""
         params = [seq.sampling_params for seq in seqs]
         greedy = [p.greedy for p in params]
         metadata = cls(all_greedy=all(greedy), all_random=not any(greedy))
@@ -72,7 +77,8 @@ class SamplingMetadata:
         metadata.banned_tokens = _banned_tokens(seqs, device)
         metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
         metadata.logit_bias = _logit_bias(seqs, device)
-        metadata.token_bitmask = _token_bitmask(seqs, vocab_size, device)
+        if with_token_bitmask:
+            metadata.token_bitmask = fill_token_bitmask(seqs, vocab_size, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -106,8 +112,9 @@ class SamplingMetadata:
             self.max_top_k = max(k for k in top_k if k < vocab_size)
         if not self.all_random:
             self.is_greedy = _tensor(greedy, torch.bool, device)
-        self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
-                      if seq.sampling_params.seed is not None and not greedy[row]}
+        self.seed_positions = {row: (seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
+                               if seq.sampling_params.seed is not None and not greedy[row]}
+        self.advance_seeds(0)
 
     def row_seeds(self, num_rows: int, base: int, mask: int, device: torch.device) -> torch.Tensor:
         """One int64 seed per row for a fused draw: a seeded row's own (`& mask`), `base + row`
@@ -117,10 +124,10 @@ class SamplingMetadata:
             seeds[row] = seed & mask
         return _tensor(seeds, torch.int64, device)
 
-    def advance_seeds(self, seqs: list[Sequence], step: int) -> None:
-        """Seeds of decode step `step` of a multi-step round (positions `step` tokens further)."""
-        self.seeds = {row: step_seed(seqs[row].sampling_params.seed, seqs[row].num_tokens + step)
-                      for row in self.seeds}
+    def advance_seeds(self, step: int) -> None:
+        """Seeds of decode step `step` of a multi-step round: positions `step` tokens past those
+        at build, whatever the host has appended to the sequences since."""
+        self.seeds = {row: step_seed(seed, position + step) for row, (seed, position) in self.seed_positions.items()}
 
     def _add_penalties(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
         params = [seq.sampling_params for seq in seqs]
@@ -192,9 +199,12 @@ def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tenso
             _tensor(biases, torch.float32, device))
 
 
-def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """Structured outputs: the tokens each constrained row may sample next, from its matcher."""
-    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
+def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Structured outputs: the tokens each constrained row may sample next, from its matcher
+    as it stands; every token in free rows, in rows whose grammar is done, and in rows of
+    sequences that finished (a multi-step round computes them and drops their tokens)."""
+    rows = [row for row, seq in enumerate(seqs)
+            if seq.grammar is not None and not seq.is_finished and seq.grammar.is_active]
     if not rows:
         return None
     pin = device.type == "cuda"  # filled in pinned memory, copied without a sync
