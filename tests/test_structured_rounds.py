@@ -12,6 +12,7 @@ vocabulary: only the masks make its outputs valid.
 """
 import functools
 import json
+import re
 
 import jsonschema
 import pytest
@@ -31,6 +32,7 @@ STEPS = 4
 PROMPTS = ["Hello", "Hi there", "Tell me about it", "Free text", "one more", "and the last"]
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=len(PROMPTS))
 MODES = ("rounds", "async")
+START_AT = 6  # a constraint's start token at this output position: inside the second round
 
 
 def _params(temperature: float, seed: int | None = None) -> list[SamplingParams]:
@@ -114,6 +116,24 @@ def test_a_grammar_that_completes_mid_round_stops_there(engines, monkeypatch, mo
     for out in multi:
         assert out.finish_reason == "stop"
         jsonschema.validate(loads(out.text), SCHEMA)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_constraint_that_starts_mid_round(engines, mode):
+    """start_after_token_id (a reasoning model's end of thinking) comes mid-round: the masks
+    of the round's later steps follow it. The start token is the one a free run draws at
+    position START_AT, so the output is free until there, then the regex."""
+    free = SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
+    drawn = _run(engines["single"], free, ["x"])[0].token_ids
+    start = drawn[START_AT]
+    assert start not in drawn[:START_AT], "the start token comes earlier: pick another seed"
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=24, structured_outputs=StructuredOutputsParams(
+        regex=r"\d{3}", start_after_token_id=start))
+    single, multi = _run(engines["single"], params, ["x"])[0], _run(engines[mode], params, ["x"])[0]
+    assert multi.token_ids == single.token_ids and multi.token_ids[:START_AT + 1] == drawn[:START_AT + 1]
+    tokenizer = engines[mode].get_tokenizer()
+    assert re.fullmatch(r"\d{3}", tokenizer.decode(multi.token_ids[START_AT + 1:], skip_special_tokens=True))
+    assert multi.finish_reason == "stop"
 
 
 def test_preemption_between_rounds_gives_the_same_tokens():
