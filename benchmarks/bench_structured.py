@@ -10,8 +10,8 @@ HF tokenizer directory; Qwen3's matches the model's vocabulary).
 
 Each run prints a per-step breakdown (`StepBreakdown`) that explains the ratio: decode
 steps run in multi-step rounds and in plain one-step steps, steps per round, rounds
-chained (async scheduling), rounds with grammar rows (launched lazily: each step's masks
-filled while the device runs its forward, engine/decode_round.py), the host's bitmask fill
+chained (async scheduling), lazy rounds (grammar rows: each step's masks filled while the
+device runs its forward, engine/decode_round.py), the host's bitmask fill
 (ms per step that had one), the engine's postprocessing (ms per step), and the host's wait
 for the device's tokens (ms per step: near 0 means the host is the bottleneck).
 
@@ -57,14 +57,13 @@ class StepBreakdown:
     docstring); `take()` returns the figures since the last take and starts afresh."""
 
     def __init__(self, llm: LLM):
-        from nanovllm.engine import decode_round, sampling_metadata
+        from nanovllm.engine import sampling_metadata
         engine, runner = llm.llm_engine, llm.llm_engine.model_runner
         self._reset()
         self._wrap(runner, "run", self._counted_run)
         self._wrap(runner, "launch_decode_round", self._counted_launch)
         self._wrap(engine, "_postprocess", self._timer("postprocess_s"))
-        for module in (decode_round, sampling_metadata):  # lazy rounds' fills; one-step runs' fills
-            self._wrap(module, "fill_token_bitmask", self._timed_fill)
+        self._wrap(sampling_metadata, "fill_token_bitmask", self._timed_fill)  # every step's metadata calls it
         if torch.cuda.is_available():  # the host's waits for a round's tokens
             self._wrap(torch.cuda.Event, "synchronize", self._timer("wait_s"))
 
@@ -129,8 +128,8 @@ class StepBreakdown:
 
 def _print_breakdown(name: str, b: dict) -> None:
     print(f"  {name}: {b['plain_steps']} one-step steps, {b['round_steps']} steps in {b['rounds']} rounds "
-          f"({b['steps_per_round']} per round; {b['chained_rounds']} chained, {b['lazy_rounds']} with grammar "
-          f"rows); bitmask fill {b['fill_ms_per_filled_step']} ms per filled step (median, {b['fills']} "
+          f"({b['steps_per_round']} per round; {b['chained_rounds']} chained, {b['lazy_rounds']} lazy); "
+          f"bitmask fill {b['fill_ms_per_filled_step']} ms per filled step (median, {b['fills']} "
           f"fills), per step (means): fill {b['fill_ms_per_step']} ms, postprocess {b['postprocess_ms_per_step']} ms, "
           f"waiting for the device {b['wait_ms_per_step']} ms")
 

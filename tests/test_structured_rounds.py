@@ -33,6 +33,7 @@ PROMPTS = ["Hello", "Hi there", "Tell me about it", "Free text", "one more", "an
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=len(PROMPTS))
 MODES = ("rounds", "async")
 START_AT = 6  # a constraint's start token at this output position: inside the second round
+MIN_TOKENS = 7  # EOS allowed from the middle of the second round on
 
 
 def _params(temperature: float, seed: int | None = None) -> list[SamplingParams]:
@@ -116,6 +117,27 @@ def test_a_grammar_that_completes_mid_round_stops_there(engines, monkeypatch, mo
     for out in multi:
         assert out.finish_reason == "stop"
         jsonschema.validate(loads(out.text), SCHEMA)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_penalties_and_min_tokens_rows_run_in_lazy_rounds_too(engines, monkeypatch, mode):
+    """Rows whose sampling counts their own tokens (penalties) or bans EOS until min_tokens
+    (made likely here by a logit bias) join rounds as well: the same ids as one-step runs."""
+    rounds = _record_rounds(monkeypatch, engines[mode].llm_engine)
+    eos = engines["single"].get_tokenizer().eos_token_id
+    params = [SamplingParams(temperature=1.0, seed=20, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.5, presence_penalty=0.3),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, presence_penalty=2.0),
+              SamplingParams(temperature=1.0, seed=21, max_tokens=24, min_tokens=MIN_TOKENS, logit_bias={eos: 30.0}),
+              SamplingParams(temperature=1.0, seed=22, max_tokens=24, ignore_eos=True)]  # no grammar in the batch
+    single, multi = _run(engines["single"], params, PROMPTS[:4]), _run(engines[mode], params, PROMPTS[:4])
+    assert [o.token_ids for o in multi] == [o.token_ids for o in single]
+    stopped = multi[2]
+    assert stopped.finish_reason == "stop" and MIN_TOKENS < len(stopped.token_ids) < 24, stopped.token_ids
+    in_rounds = {s.seq_id for seqs, num_steps, starts, _ in rounds if num_steps > 1
+                 for s, start in zip(seqs, starts)
+                 if s.sampling_params.has_penalties or start < s.sampling_params.min_tokens}
+    assert len(in_rounds) == 3, "the penalties and min_tokens rows did not run in rounds"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -9,18 +9,21 @@ A round is launched in one of two ways:
 - **eager** (no row under a structured-output grammar): every step's forward and sampling
   are queued at launch, so the device runs the round end to end while the host handles
   the steps already done.
-- **lazy** (some row under a grammar): a step's sampling needs that row's token bitmask,
-  which its matcher gives only once it has accepted the previous step's token. The
-  forward of step k is queued as soon as step k-1's sampling is (its input tokens are on
-  the device); the host then waits for step k-1's tokens, hands them to the engine (which
-  postprocesses them: the matchers accept them, stops are checked), fills step k's
-  bitmask from the matchers, copies it to the device (pinned, non-blocking) and queues
-  step k's sampling, then step k+1's forward. So the mask fill and the host's
-  postprocessing overlap the device's forward of the same step; the device waits only
-  for the mask's copy and the sampling's launch. Rows whose sequence finished earlier in
-  the round (a stop, a complete grammar, an abort) are computed and dropped as in eager
-  rounds; their bitmask rows allow every token and their matchers are not asked. When
-  every sequence of a lazy round has finished, it launches nothing more.
+- **lazy** (some row whose sampling follows its own new tokens: a structured-output
+  grammar, whose token bitmask its matcher gives only once it has accepted the previous
+  token; penalties, which count the output tokens; min_tokens still pending, which bans
+  the stop tokens until then): the forward of step k is queued as soon as step k-1's
+  sampling is (its input tokens are on the device); the host then waits for step k-1's
+  tokens, hands them to the engine (which postprocesses them: the matchers accept them,
+  stops are checked), builds step k's sampling metadata from the sequences as they now
+  stand (bitmasks filled from the matchers, penalty counts, seeds by position; copied
+  from pinned memory, non-blocking) and queues step k's sampling, then step k+1's
+  forward. So the mask fill, the metadata and the host's postprocessing overlap the
+  device's forward of the same step; the device waits only for the copies and the
+  sampling's launch. Rows whose sequence finished earlier in the round (a stop, a
+  complete grammar, an abort) are computed and dropped as in eager rounds; their bitmask
+  rows allow every token and their matchers are not asked. When every sequence of a lazy
+  round has finished, it launches nothing more.
 
 Async scheduling chains a round onto one whose last step is outstanding (launched, not
 seen by the host): `outputs(on_last_step=...)` calls the engine there. A lazy round
@@ -38,13 +41,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, fill_token_bitmask
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplerOutput
 from nanovllm.utils.context import set_context
 
 if TYPE_CHECKING:  # model_runner imports this module
     from nanovllm.engine.model_runner import ModelRunner
+
+
+def follows_own_tokens(seq: Sequence) -> bool:
+    """Whether `seq`'s sampling depends on the tokens it samples in a round: a grammar,
+    penalties, or min_tokens not reached yet (a lazy round follows them step by step)."""
+    params = seq.sampling_params
+    return seq.grammar is not None or params.has_penalties or seq.num_completion_tokens < params.min_tokens
 
 
 class StepLauncher:
@@ -55,8 +65,8 @@ class StepLauncher:
         self.num_pending = 0 if after is None else 1  # tokens of `after` the host has not seen
         self.input_ids, self.positions, self.context, _ = runner.prepare(seqs, after)
         self.vocab_size = runner.model_config.vocab_size
-        # a lazy round fills each step's bitmask when that step samples, not now
-        self.metadata = SamplingMetadata.build(seqs, self.vocab_size, runner.device, with_token_bitmask=not lazy)
+        # a lazy round builds each step's metadata when that step samples, not now
+        self.metadata = None if lazy else SamplingMetadata.build(seqs, self.vocab_size, runner.device)
         graphs = runner.graph_runner
         self.in_graph = graphs is not None and graphs.can_run(self.context, len(seqs))
         self.token_ids: torch.Tensor | None = None  # [num_seqs] the last sampled step's tokens
@@ -78,13 +88,14 @@ class StepLauncher:
 
     @torch.inference_mode()
     def sample(self, step: int) -> tuple[SamplerOutput, torch.cuda.Event | None]:
-        """Queue step `step`'s sampling (after its forward); a lazy round's bitmask is filled now,
-        from the matchers as the host has left them. Returns the step's output (token ids in
-        pinned host memory on a GPU) and the event marking them ready (None on a CPU)."""
-        if step + self.num_pending > 0:
-            self.metadata.advance_seeds(step + self.num_pending)
+        """Queue step `step`'s sampling (after its forward); a lazy round builds its metadata now,
+        from the sequences as the host has left them (it has taken every earlier step). Returns
+        the step's output (token ids in pinned host memory on a GPU) and the event marking
+        them ready (None on a CPU)."""
         if self.lazy:
-            self.metadata.token_bitmask = fill_token_bitmask(self.seqs, self.vocab_size, self.runner.device)
+            self.metadata = SamplingMetadata.build(self.seqs, self.vocab_size, self.runner.device)
+        elif step + self.num_pending > 0:
+            self.metadata.advance_seeds(self.seqs, step + self.num_pending)  # none appended: eager
         sample = self.runner.sampler(self.logits, self.metadata)
         self.token_ids, ready = sample.token_ids, None
         if self.runner.device.type == "cuda":
@@ -108,8 +119,8 @@ class DecodeRound:
     @classmethod
     def launch(cls, runner: ModelRunner, seqs: list[Sequence], num_steps: int,
                after: DecodeRound | None = None) -> DecodeRound:
-        """Queue the round: every step (eager), or the first forward only (lazy: a grammar row)."""
-        lazy = any(seq.grammar is not None for seq in seqs)
+        """Queue the round: every step (eager), or the first forward only (lazy)."""
+        lazy = any(follows_own_tokens(seq) for seq in seqs)
         decode_round = cls(seqs, num_steps, StepLauncher(runner, seqs, after, lazy))
         decode_round.launcher.forward(0)
         if not lazy:

@@ -326,9 +326,9 @@ class LLMEngine:
         With async scheduling, the next round is launched once only this round's last
         step is outstanding, so the device goes on while the host finishes this one.
         A chained round may carry sequences that finished (or were aborted) since its
-        launch: their rows are computed and dropped. A round with grammar rows queues
-        each step's sampling once the step before is postprocessed here (its matchers
-        have accepted its tokens): engine/decode_round.py.
+        launch: their rows are computed and dropped. A lazy round (grammar, penalties,
+        min_tokens rows) queues each step's sampling once the step before is
+        postprocessed here (its matchers have accepted its tokens): engine/decode_round.py.
         """
         seqs = decode_round.seqs
         live = [seq for seq in seqs if not seq.is_finished]
@@ -347,7 +347,7 @@ class LLMEngine:
     def _chain(self, decode_round: DecodeRound) -> DecodeRound | None:
         """Launch the round after `decode_round`, whose last step the host has not seen yet;
         None when the next round needs the scheduler (newcomers waiting, a running sequence
-        outside this round, too few free blocks, sampling that depends on the new tokens)."""
+        outside this round, too few free blocks, one-step rounds)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
         if (self.scheduler.waiting or self.requests_arriving()
                 or any(s.seq_id not in in_round for s in self.scheduler.running)):
@@ -368,16 +368,12 @@ class LLMEngine:
         """Decode steps to run back to back this round (1: a plain step), after `num_pending`
         tokens not seen by the host yet; the scheduler reserves their blocks.
 
-        Multi-step rounds sample each step from what the host knew at launch, so they
-        need sampling that does not depend on the round's own tokens: no penalties, no
-        sequence still below its min_tokens (those batches run plain steps). A
-        structured-output grammar's mask follows every token too, but a round with
-        grammar rows fills each step's masks as the host takes the step before
-        (engine/decode_round.py), so those rounds run multi-step and chain.
+        A row whose sampling follows its own new tokens (a structured-output grammar,
+        penalties, min_tokens pending) makes the round lazy: each step's sampling is
+        built as the host takes the step before (engine/decode_round.py), so every
+        batch of decodes runs multi-step and chains.
         """
-        if self.num_scheduler_steps == 1 or any(
-                s.sampling_params.has_penalties or s.num_completion_tokens < s.sampling_params.min_tokens
-                for s in seqs):
+        if self.num_scheduler_steps == 1:
             return 1
         return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
 

@@ -47,8 +47,6 @@ class SamplingMetadata:
     top_p: torch.Tensor | None = None         # [num_seqs] float32 (1.0 where off)
     min_p: torch.Tensor | None = None         # [num_seqs] float32 (0.0 where off)
     seeds: dict[int, int] = field(default_factory=dict)  # row -> seed of this step's draw
-    # row -> (the request's seed, position of the token drawn at build): advance_seeds' origin
-    seed_positions: dict[int, tuple[int, int]] = field(default_factory=dict)
     output_counts: torch.Tensor | None = None  # [num_seqs, vocab] float32, occurrences in the output
     prompt_mask: torch.Tensor | None = None    # [num_seqs, vocab] bool, token is in the prompt
     repetition_penalties: torch.Tensor | None = None  # [num_seqs] float32
@@ -63,10 +61,7 @@ class SamplingMetadata:
     token_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
-              with_token_bitmask: bool = True) -> "SamplingMetadata":
-        """`with_token_bitmask=False`: leave the grammar bitmask to the caller (a lazy decode
-        round fills one per step, engine/decode_round.py)."""
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         params = [seq.sampling_params for seq in seqs]
         greedy = [p.greedy for p in params]
         metadata = cls(all_greedy=all(greedy), all_random=not any(greedy))
@@ -77,8 +72,7 @@ class SamplingMetadata:
         metadata.banned_tokens = _banned_tokens(seqs, device)
         metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
         metadata.logit_bias = _logit_bias(seqs, device)
-        if with_token_bitmask:
-            metadata.token_bitmask = fill_token_bitmask(seqs, vocab_size, device)
+        metadata.token_bitmask = fill_token_bitmask(seqs, vocab_size, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -112,9 +106,8 @@ class SamplingMetadata:
             self.max_top_k = max(k for k in top_k if k < vocab_size)
         if not self.all_random:
             self.is_greedy = _tensor(greedy, torch.bool, device)
-        self.seed_positions = {row: (seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
-                               if seq.sampling_params.seed is not None and not greedy[row]}
-        self.advance_seeds(0)
+        self.seeds = {row: step_seed(seq.sampling_params.seed, seq.num_tokens) for row, seq in enumerate(seqs)
+                      if seq.sampling_params.seed is not None and not greedy[row]}
 
     def row_seeds(self, num_rows: int, base: int, mask: int, device: torch.device) -> torch.Tensor:
         """One int64 seed per row for a fused draw: a seeded row's own (`& mask`), `base + row`
@@ -124,17 +117,18 @@ class SamplingMetadata:
             seeds[row] = seed & mask
         return _tensor(seeds, torch.int64, device)
 
-    def advance_seeds(self, step: int) -> None:
-        """Seeds of decode step `step` of a multi-step round: positions `step` tokens past those
-        at build, whatever the host has appended to the sequences since."""
-        self.seeds = {row: step_seed(seed, position + step) for row, (seed, position) in self.seed_positions.items()}
+    def advance_seeds(self, seqs: list[Sequence], step: int) -> None:
+        """Seeds of decode step `step` of a multi-step round (positions `step` tokens further)."""
+        self.seeds = {row: step_seed(seqs[row].sampling_params.seed, seqs[row].num_tokens + step)
+                      for row in self.seeds}
 
     def _add_penalties(self, seqs: list[Sequence], vocab_size: int, device: torch.device) -> None:
         params = [seq.sampling_params for seq in seqs]
         rows, token_ids, in_prompt = _flat_token_ids([seq if p.has_penalties else None
                                                       for seq, p in zip(seqs, params)])
-        prompt = torch.stack([rows[in_prompt], token_ids[in_prompt]]).to(device)    # [2, num_prompt_tokens]
-        output = torch.stack([rows[~in_prompt], token_ids[~in_prompt]]).to(device)  # [2, num_output_tokens]
+        # pinned on a GPU: a copy from pageable memory would make the host wait for the device
+        prompt = _to_device(torch.stack([rows[in_prompt], token_ids[in_prompt]]), device)    # [2, num_prompt_tokens]
+        output = _to_device(torch.stack([rows[~in_prompt], token_ids[~in_prompt]]), device)  # [2, num_output_tokens]
         self.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
         self.prompt_mask[prompt[0], prompt[1]] = True
         self.output_counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
@@ -217,6 +211,13 @@ def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.devi
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, through pinned memory on a GPU (no host wait)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---- results back to sequences ------------------------------------------------
