@@ -6,7 +6,7 @@ feed the next step's forward on the device (a CUDA graph's inputs advanced in pl
 the host takes each step's tokens as the device produces them (`DecodeRound.outputs`).
 A round is launched in one of two ways:
 
-- **eager** (no row under a structured-output grammar): every step's forward and sampling
+- **eager** (no row of the kind below): every step's forward and sampling
   are queued at launch, so the device runs the round end to end while the host handles
   the steps already done.
 - **lazy** (some row whose sampling follows its own new tokens: a structured-output
