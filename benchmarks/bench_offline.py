@@ -146,8 +146,8 @@ class StepTimer:
     def _timed_outputs(self, outputs):
         """Time spent waiting for a round's tokens is the runner's; the caller's
         postprocessing between steps is host time (overlapping the GPU)."""
-        def timed():
-            steps = outputs()
+        def timed(*args, **kwargs):
+            steps = outputs(*args, **kwargs)
             while True:
                 start = time.perf_counter()
                 output = next(steps, None)

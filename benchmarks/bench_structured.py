@@ -8,20 +8,34 @@ constrained request whose array closes ends there (its grammar is complete), so 
 output token counts are printed too. Needs a tokenizer for the grammar (--tokenizer DIR, an
 HF tokenizer directory; Qwen3's matches the model's vocabulary).
 
+Each run prints a per-step breakdown (`StepBreakdown`) that explains the ratio: decode
+steps run in multi-step rounds and in plain one-step steps, steps per round, rounds
+chained (async scheduling), lazy rounds (grammar rows: each step's masks filled while the
+device runs its forward, engine/decode_round.py), the host's bitmask fill
+(ms per step that had one), the engine's postprocessing (ms per step), and the host's wait
+for the device's tokens (ms per step: near 0 means the host is the bottleneck).
+
 CPU (--cpu-mask): the host's per-step cost of the masks at batch 64: 64 matchers on one
 schema walk random valid paths; per step, filling the 64 bitmask rows from the matchers
-(SamplingMetadata's `_token_bitmask`), applying them to [64, vocab] float32 logits
+(sampling_metadata.fill_token_bitmask), applying them to [64, vocab] float32 logits
 (layers/sampler.py `apply_token_bitmask`), and each matcher accepting its token; beside
 them, one copy of the logits as a yardstick of the machine's speed at the time.
 
+CPU (--cpu-rounds): constrained vs free throughput on a tiny model (bench_offline's SMALL
+shape with the tokenizer's vocabulary; SmolLM2's without --tokenizer) at batch 8, with
+one-step and multi-step rounds (num_scheduler_steps forced), alternating free and half
+constrained runs (--repeats pairs; medians), each with the breakdown above.
+
     python benchmarks/bench_structured.py --tokenizer DIR            # GPU, B1 half constrained
     python benchmarks/bench_structured.py --cpu-mask [--tokenizer DIR --vocab 151936]  # CPU, batch 64
+    python benchmarks/bench_structured.py --cpu-rounds [--tokenizer DIR --vocab 151936]  # CPU, tiny model
 """
 import argparse
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -35,30 +49,137 @@ from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
 UNBOUNDED = {"type": "array", "items": {"type": "string"}}
 MASK_BATCH, MASK_STEPS = 64, 64
+CPU_ROUNDS_BATCH, CPU_ROUNDS_PROMPT, CPU_ROUNDS_TOKENS, CPU_ROUNDS_STEPS = 8, 128, 128, 8
 
 
-def gpu_b1(tokenizer: str, small: bool) -> dict:
-    from bench_offline import QWEN3_0_6B, SMALL, WARMUP_TOKENS, model_dir, workload
-    cfg = SMALL if small else QWEN3_0_6B
-    n, max_in, max_out = (16, 64, 64) if small else (256, 1024, 1024)
-    prompts, params = workload(n, max_in, max_out)
+class StepBreakdown:
+    """Wraps one engine's pieces to count and time what a run's steps do (see the module
+    docstring); `take()` returns the figures since the last take and starts afresh."""
+
+    def __init__(self, llm: LLM):
+        from nanovllm.engine import sampling_metadata
+        engine, runner = llm.llm_engine, llm.llm_engine.model_runner
+        self._reset()
+        self._wrap(runner, "run", self._counted_run)
+        self._wrap(runner, "launch_decode_round", self._counted_launch)
+        self._wrap(engine, "_postprocess", self._timer("postprocess_s"))
+        self._wrap(sampling_metadata, "fill_token_bitmask", self._timed_fill)  # every step's metadata calls it
+        if torch.cuda.is_available():  # the host's waits for a round's tokens
+            self._wrap(torch.cuda.Event, "synchronize", self._timer("wait_s"))
+
+    def _reset(self) -> None:
+        self.counts = dict(plain_steps=0, rounds=0, round_steps=0, chained_rounds=0, lazy_rounds=0, fills=0)
+        self.seconds = dict(postprocess_s=0.0, fill_s=0.0, wait_s=0.0)
+        self.fill_ms: list[float] = []
+
+    def _wrap(self, owner, name: str, make) -> None:
+        setattr(owner, name, make(getattr(owner, name)))
+
+    def _timer(self, key: str):
+        def make(fn):
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.seconds[key] += time.perf_counter() - start
+            return timed
+        return make
+
+    def _timed_fill(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            bitmask = fn(*args, **kwargs)
+            if bitmask is not None:  # a step with an active grammar row
+                ms = (time.perf_counter() - start) * 1e3
+                self.counts["fills"] += 1
+                self.fill_ms.append(ms)
+                self.seconds["fill_s"] += ms / 1e3
+            return bitmask
+        return timed
+
+    def _counted_run(self, fn):
+        def run(seqs):
+            self.counts["plain_steps"] += 1
+            return fn(seqs)
+        return run
+
+    def _counted_launch(self, fn):
+        def launch(seqs, num_steps, after=None):
+            decode_round = fn(seqs, num_steps, after=after)
+            self.counts["rounds"] += 1
+            self.counts["round_steps"] += num_steps
+            self.counts["chained_rounds"] += after is not None
+            self.counts["lazy_rounds"] += decode_round.lazy
+            return decode_round
+        return launch
+
+    def take(self) -> dict:
+        c, s = self.counts, self.seconds
+        steps = max(1, c["plain_steps"] + c["round_steps"])
+        result = dict(c, steps_per_round=round(c["round_steps"] / max(1, c["rounds"]), 2),
+                      fill_ms_per_filled_step=round(statistics.median(self.fill_ms), 3) if self.fill_ms else 0.0,
+                      fill_ms_per_step=round(s["fill_s"] * 1e3 / steps, 3),
+                      postprocess_ms_per_step=round(s["postprocess_s"] * 1e3 / steps, 3),
+                      wait_ms_per_step=round(s["wait_s"] * 1e3 / steps, 3))
+        self._reset()
+        return result
+
+
+def _print_breakdown(name: str, b: dict) -> None:
+    print(f"  {name}: {b['plain_steps']} one-step steps, {b['round_steps']} steps in {b['rounds']} rounds "
+          f"({b['steps_per_round']} per round; {b['chained_rounds']} chained, {b['lazy_rounds']} lazy); "
+          f"bitmask fill {b['fill_ms_per_filled_step']} ms per filled step (median, {b['fills']} "
+          f"fills), per step (means): fill {b['fill_ms_per_step']} ms, postprocess {b['postprocess_ms_per_step']} ms, "
+          f"waiting for the device {b['wait_ms_per_step']} ms")
+
+
+def timed_runs(llm: LLM, prompts, runs: dict[str, list[SamplingParams]], breakdown: StepBreakdown) -> dict:
+    """Each run of `runs` once, timed, with its breakdown."""
+    result = {}
+    for name, run_params in runs.items():
+        breakdown.take()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        outputs = llm.generate(prompts, run_params, use_tqdm=False)
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        # the process's CPU time: on a shared CPU machine, steadier than the wall time
+        result[name] = {"seconds": round(seconds, 3), "cpu_s": round(cpu_s, 3), "output_tokens": tokens,
+                        "tok_per_s": round(tokens / seconds, 1), "tok_per_cpu_s": round(tokens / cpu_s, 1),
+                        "breakdown": breakdown.take()}
+        print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
+              f"({cpu_s:.2f} s of this process's CPU time: {tokens / cpu_s:.1f} tok per CPU s)")
+        _print_breakdown(name, result[name]["breakdown"])
+    return result
+
+
+def half_constrained(params: list[SamplingParams]) -> list[SamplingParams]:
+    """`params` with every other request under the unbounded array-of-strings schema."""
     constraint = StructuredOutputsParams(json=UNBOUNDED)
-    constrained = [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=p.max_tokens,
-                                  structured_outputs=constraint if i % 2 == 0 else None)
-                   for i, p in enumerate(params)]
-    llm = LLM(model_dir(cfg), load_format="dummy", tokenizer=tokenizer, max_model_len=4096)
-    variants = VariantCounter().__enter__()  # Triton variants first met after start-up: should be none
+    return [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=p.max_tokens,
+                           structured_outputs=constraint if i % 2 == 0 else None)
+            for i, p in enumerate(params)]
+
+
+def warm_up(llm: LLM) -> None:
+    """Untimed: one constrained request and one free one (the grammar compiles here)."""
+    from bench_offline import WARMUP_TOKENS
+    constraint = StructuredOutputsParams(json=UNBOUNDED)
     warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=WARMUP_TOKENS, structured_outputs=c)
             for c in (constraint, None) * (WARMUP_PROMPTS // 2)]
     llm.generate([[i + 1] * 50 for i in range(WARMUP_PROMPTS)], warm, use_tqdm=False)
-    result = {}
-    for name, run_params in (("unconstrained", params), ("half_json", constrained)):
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, run_params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        result[name] = {"seconds": round(seconds, 3), "output_tokens": tokens, "tok_per_s": round(tokens / seconds, 1)}
-        print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
+
+
+def gpu_b1(tokenizer: str, small: bool) -> dict:
+    from bench_offline import QWEN3_0_6B, SMALL, model_dir, workload
+    cfg = SMALL if small else QWEN3_0_6B
+    n, max_in, max_out = (16, 64, 64) if small else (256, 1024, 1024)
+    prompts, params = workload(n, max_in, max_out)
+    llm = LLM(model_dir(cfg), load_format="dummy", tokenizer=tokenizer, max_model_len=4096)
+    breakdown = StepBreakdown(llm)
+    variants = VariantCounter().__enter__()  # Triton variants first met after start-up: should be none
+    warm_up(llm)
+    result = timed_runs(llm, prompts, {"unconstrained": params, "half_json": half_constrained(params)}, breakdown)
     variants.__exit__()
     result["variants_after_start"] = len(variants.names)
     print(f"Triton kernel variants first met after start-up: {len(variants.names)} {variants.names}")
@@ -67,8 +188,41 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
     return result
 
 
+def cpu_rounds(tokenizer_dir: str | None, vocab: int | None, repeats: int) -> dict:
+    """Free vs half constrained on a tiny CPU model, one-step vs multi-step rounds: `repeats`
+    alternating pairs of runs per mode (this shared machine's speed drifts), medians."""
+    from bench_offline import SMALL, model_dir, workload
+    tokenizer = _tokenizer(tokenizer_dir)
+    if tokenizer_dir is None:  # SmolLM2's, saved where model_dir copies it from
+        tokenizer_dir = tempfile.mkdtemp(prefix="nanovllm-tokenizer-")
+        tokenizer.save_pretrained(tokenizer_dir)
+    vocab = vocab or len(tokenizer)
+    path = model_dir(dict(SMALL, vocab_size=vocab, torch_dtype="float32", eos_token_id=tokenizer.eos_token_id),
+                     tokenizer_dir)
+    prompts, params = workload(CPU_ROUNDS_BATCH, CPU_ROUNDS_PROMPT, CPU_ROUNDS_TOKENS)
+    runs = {"unconstrained": params, "half_json": half_constrained(params)}
+    result = {}
+    for steps in (1, CPU_ROUNDS_STEPS):
+        print(f"num_scheduler_steps={steps}:")
+        with LLM(path, load_format="dummy", device="cpu", dtype="float32", max_model_len=1024,
+                 num_kvcache_blocks=256, num_scheduler_steps=steps, max_num_seqs=CPU_ROUNDS_BATCH) as llm:
+            breakdown = StepBreakdown(llm)
+            warm_up(llm)
+            pairs = [timed_runs(llm, prompts, runs, breakdown) for _ in range(repeats)]
+        mode = {name: pairs[-1][name] for name in runs}  # the last pair's figures and breakdown
+        for name in runs:
+            for key in ("tok_per_s", "tok_per_cpu_s"):
+                mode[name][f"{key}_median"] = statistics.median(p[name][key] for p in pairs)
+        for key in ("tok_per_s", "tok_per_cpu_s"):
+            ratios = [round(p["half_json"][key] / p["unconstrained"][key], 3) for p in pairs]
+            mode[f"ratios_{key}"], mode[f"ratio_{key}"] = ratios, statistics.median(ratios)
+            print(f"  half-constrained / unconstrained, {key}: median {mode[f'ratio_{key}']} of {ratios}")
+        result[f"steps_{steps}"] = mode
+    return result
+
+
 def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
-    from nanovllm.engine.sampling_metadata import _token_bitmask
+    from nanovllm.engine.sampling_metadata import fill_token_bitmask
     from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import apply_token_bitmask
     from nanovllm.structured_outputs.manager import StructuredOutputManager
@@ -88,7 +242,7 @@ def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
         logits.clone()  # a reference on the same machine: one pass over the logits
         copy.append(time.perf_counter() - t)
         t0 = time.perf_counter()
-        bitmask = _token_bitmask(seqs, vocab, torch.device("cpu"))
+        bitmask = fill_token_bitmask(seqs, vocab, torch.device("cpu"))
         t1 = time.perf_counter()
         masked = apply_token_bitmask(logits, bitmask)
         t2 = time.perf_counter()
@@ -123,11 +277,16 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="an HF tokenizer directory (Qwen3's for B1)")
     ap.add_argument("--cpu-mask", action="store_true", help="the CPU per-step mask cost at batch 64")
     ap.add_argument("--vocab", type=int, default=None,
-                    help="--cpu-mask: the logits' width (the model's vocabulary; Qwen3: 151936)")
+                    help="--cpu-mask, --cpu-rounds: the logits' width (the model's vocabulary; Qwen3: 151936)")
+    ap.add_argument("--cpu-rounds", action="store_true",
+                    help="free vs half constrained on a tiny CPU model, one-step vs multi-step rounds")
+    ap.add_argument("--repeats", type=int, default=3, help="--cpu-rounds: alternating pairs of runs per mode")
     ap.add_argument("--small", action="store_true", help="a tiny GPU smoke run")
     args = ap.parse_args()
     if args.cpu_mask:
         result = {"benchmark": "structured_cpu_mask", **cpu_mask(args.tokenizer, args.vocab)}
+    elif args.cpu_rounds:
+        result = {"benchmark": "structured_cpu_rounds", **cpu_rounds(args.tokenizer, args.vocab, args.repeats)}
     else:
         if args.tokenizer is None:
             ap.error("the GPU run needs --tokenizer DIR (the grammar is compiled against its vocabulary)")

@@ -89,3 +89,22 @@ def test_graph_rounds_equal_torch_rounds(model_path, async_scheduling):
     assert runner.next_steps > 0 and sum(g.replays for g in runner.graphs.values()) > runner.next_steps
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@needs_kernels
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_lazy_graph_rounds_equal_torch_rounds(model_path, async_scheduling):
+    """Rounds whose sampling follows their own tokens (penalties, min_tokens: the lazy rounds of
+    engine/decode_round.py) queue each step's sampling between the graph's in-place advances:
+    the same ids as torch rounds."""
+    params = [SamplingParams(temperature=0.8, seed=3 + i, max_tokens=21 + 2 * i, ignore_eos=True,
+                             presence_penalty=0.5 if i % 2 else 0.0, min_tokens=0 if i % 2 else 9)
+              for i in range(len(PROMPTS))]
+    ref, _ = _make(model_path, 6, async_scheduling)
+    llm, runner = _make(model_path, 6, async_scheduling, graphs=True)
+    a = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert a == b
+    assert runner.next_steps > 0
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import re
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -22,7 +23,8 @@ openai = pytest.importorskip("openai")
 
 from nanovllm.entrypoints.openai.chat_template import ChatTemplate  # noqa: E402
 from nanovllm.entrypoints.openai.reasoning_parsers import ReasoningParser  # noqa: E402
-from nanovllm.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser  # noqa: E402
+from nanovllm.entrypoints.openai.tool_parsers import (  # noqa: E402
+    HermesToolParser, Llama3JsonToolParser, NamedCallParser, RequiredCallsParser)
 from nanovllm.structured_outputs.params import MAX_SCHEMA_DEPTH  # noqa: E402
 from smollm2_tokenizer import smollm2_tokenizer  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
@@ -104,12 +106,19 @@ async def _stream_message(client, **kwargs) -> tuple[dict, str | None]:
 # ---- parsers alone ---------------------------------------------------------------------
 
 def _feed_all(parser, text: str, piece: int = 3):
-    content, calls = "", []
+    """The parser's content and its tool-call deltas folded into calls (name, arguments)."""
+    content, deltas = "", []
     for i in range(0, len(text), piece):
         c, new = parser.feed(text[i:i + piece])
-        content, calls = content + c, calls + new
+        content, deltas = content + c, deltas + new
     c, new = parser.finish()
-    return content + c, calls + new
+    calls = []
+    for d in deltas + new:
+        if d.name is not None:
+            assert d.index == len(calls) and d.id.startswith("call_")
+            calls.append(SimpleNamespace(name=d.name, arguments=""))
+        calls[d.index].arguments += d.arguments
+    return content + c, calls
 
 
 @pytest.mark.parametrize("piece", [1, 4, 1000])
@@ -122,6 +131,34 @@ def test_hermes_parser_takes_calls_out_of_the_text(piece):
         ("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
     content, calls = _feed_all(HermesToolParser(), "a <tool_call>not json</tool_call>", piece)
     assert (content, calls) == ("a <tool_call>not json</tool_call>", [])
+
+
+def _argument_pieces(parser, text: str) -> list[str]:
+    """The argument deltas of the first call, fed one character at a time."""
+    deltas = [d for ch in text for d in parser.feed(ch)[1]] + parser.finish()[1]
+    return [d.arguments for d in deltas if d.index == 0 and d.name is None]
+
+
+@pytest.mark.parametrize("parser, text, arguments", [
+    (HermesToolParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>',
+     '{"city": "Paris", "days": 2}'),
+    (Llama3JsonToolParser, '{"name": "get_time", "parameters": {"zone": "CET"}}', '{"zone": "CET"}'),
+    (RequiredCallsParser, '[{"name":"get_time","parameters":{"zone":"UTC"}},{"name":"x","parameters":{}}]',
+     '{"zone":"UTC"}'),
+    (functools.partial(NamedCallParser, "get_time"), '{"zone":"UTC"}', '{"zone":"UTC"}'),
+])
+def test_parsers_stream_the_arguments_as_they_are_written(parser, text, arguments):
+    """One argument delta per character of the arguments (a space waits for the next one)."""
+    pieces = _argument_pieces(parser(), text)
+    assert "".join(pieces) == arguments and len(pieces) == len(arguments) - arguments.count(" ")
+
+
+def test_a_call_cut_mid_arguments_keeps_what_was_written():
+    content, calls = _feed_all(RequiredCallsParser(), '[{"name":"get_time","parameters":{"zo')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", '{"zo')]
+    content, calls = _feed_all(HermesToolParser(), '<tool_call>{"name": "f", "arguments": {"a": 1')
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1')]
+    assert _feed_all(HermesToolParser(), "<tool_call>{\"nam") == ("<tool_call>{\"nam", [])
 
 
 def test_llama3_json_parser():
@@ -254,6 +291,34 @@ def test_named_and_required_tool_calls_are_valid_streamed_and_not(async_llm):
                                                       tool_choice="required", parallel_tool_calls=False,
                                                       max_tokens=120, temperature=1.0, seed=4)
         assert len(single.choices[0].message.tool_calls) == 1
+    _run(_app(async_llm), go)
+    assert _free_blocks(async_llm)
+
+
+def test_tool_call_arguments_stream_as_they_are_generated(async_llm):
+    """As OpenAI streams a call: its first delta has the id, type "function", the name and
+    arguments "", later ones append to the arguments as tokens come (several pieces); folded,
+    they are the non-streamed arguments."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def go(http, client):
+        for tool_choice in (named, "required"):
+            kwargs = dict(messages=CHAT, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=120,
+                          temperature=1.0, seed=5)
+            reply = await client.chat.completions.create(model=MODEL, **kwargs)
+            pieces: dict[int, list[str]] = {}
+            async for chunk in await client.chat.completions.create(model=MODEL, stream=True, **kwargs):
+                for call in (d for choice in chunk.choices for d in choice.delta.tool_calls or ()):
+                    if call.index not in pieces:
+                        assert call.id.startswith("call_") and call.type == "function"
+                        assert call.function.name and call.function.arguments == ""
+                        pieces[call.index] = []
+                    else:
+                        assert call.id is None and call.function.name is None
+                        pieces[call.index].append(call.function.arguments)
+            assert pieces and all(len(p) > 1 for p in pieces.values()), pieces
+            assert ["".join(pieces[i]) for i in sorted(pieces)] == \
+                [c.function.arguments for c in reply.choices[0].message.tool_calls]
     _run(_app(async_llm), go)
     assert _free_blocks(async_llm)
 

@@ -16,7 +16,7 @@ from itertools import count
 from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS, Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import make_model_runner
-from nanovllm.engine.model_runner import DecodeRound
+from nanovllm.engine.decode_round import DecodeRound
 from nanovllm.engine.model_source import ModelSource, resolve_model
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput
@@ -326,17 +326,20 @@ class LLMEngine:
         With async scheduling, the next round is launched once only this round's last
         step is outstanding, so the device goes on while the host finishes this one.
         A chained round may carry sequences that finished (or were aborted) since its
-        launch: their rows are computed and dropped.
+        launch: their rows are computed and dropped. A lazy round (grammar, penalties,
+        min_tokens rows) queues each step's sampling once the step before is
+        postprocessed here (its matchers have accepted its tokens): engine/decode_round.py.
         """
         seqs = decode_round.seqs
         live = [seq for seq in seqs if not seq.is_finished]
         num_tokens = sum(seq.num_tokens for seq in live)
-        for i, output in enumerate(decode_round.outputs()):
+
+        def chain() -> None:
+            self._next_round = self._chain(decode_round)
+        for output in decode_round.outputs(on_last_step=chain if self.async_scheduling else None):
             for seq in seqs:
                 seq.num_scheduled_tokens = 1  # postprocess consumes one token a step
             self._postprocess(seqs, output)
-            if i == decode_round.num_steps - 2 and self.async_scheduling:
-                self._next_round = self._chain(decode_round)
         num_new = sum(seq.num_tokens for seq in live) - num_tokens  # dropped rows not counted
         self.last_step_stats = (0, num_new, time.perf_counter() - start)
         return self.output_processor.make_outputs(live)
@@ -344,7 +347,7 @@ class LLMEngine:
     def _chain(self, decode_round: DecodeRound) -> DecodeRound | None:
         """Launch the round after `decode_round`, whose last step the host has not seen yet;
         None when the next round needs the scheduler (newcomers waiting, a running sequence
-        outside this round, too few free blocks, sampling that depends on the new tokens)."""
+        outside this round, too few free blocks, one-step rounds)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
         if (self.scheduler.waiting or self.requests_arriving()
                 or any(s.seq_id not in in_round for s in self.scheduler.running)):
@@ -365,14 +368,12 @@ class LLMEngine:
         """Decode steps to run back to back this round (1: a plain step), after `num_pending`
         tokens not seen by the host yet; the scheduler reserves their blocks.
 
-        Multi-step rounds need sampling that does not depend on the tokens of the
-        round itself: no penalties, no sequence still below its min_tokens, and no
-        structured-output grammar (its mask follows every token): while a constrained
-        sequence runs, every step is a plain one.
+        A row whose sampling follows its own new tokens (a structured-output grammar,
+        penalties, min_tokens pending) makes the round lazy: each step's sampling is
+        built as the host takes the step before (engine/decode_round.py), so every
+        batch of decodes runs multi-step and chains.
         """
-        if self.num_scheduler_steps == 1 or any(
-                s.sampling_params.has_penalties or s.num_completion_tokens < s.sampling_params.min_tokens
-                or s.grammar is not None for s in seqs):
+        if self.num_scheduler_steps == 1:
             return 1
         return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
 

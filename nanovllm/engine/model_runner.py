@@ -5,14 +5,14 @@ Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
 import gc
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
+from nanovllm.engine.decode_round import DecodeRound
 from nanovllm.engine.kv_scales import set_kv_scales
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
@@ -23,7 +23,7 @@ from nanovllm.kernels import get_attention_backend, kv_quant
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.quantization import building_with, get_quantization_config, process_weights_after_loading
-from nanovllm.layers.sampler import Sampler, SamplerOutput
+from nanovllm.layers.sampler import Sampler
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.registry import get_model_class
 from nanovllm.utils.context import Context, set_context
@@ -32,36 +32,6 @@ from nanovllm.utils.loader import load_dummy_weights, load_named_weights
 from nanovllm.utils.parallel import min_over_ranks, tensor_parallel
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB when neither a block count nor a budget is given
-
-
-@dataclass
-class DecodeRound:
-    """The launched steps of one multi-step decode round, consumed by the engine in order."""
-    seqs: list[Sequence]
-    steps: list[tuple[SamplerOutput, torch.cuda.Event | None]]  # per step: its sampler output
-    # (token ids in pinned host memory on a GPU) and the event marking them ready (None on CPU)
-    last_token_ids: torch.Tensor  # [num_seqs] on the device: the last step's tokens
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.steps)
-
-    def outputs(self) -> Iterator[ModelRunnerOutput]:
-        """One output per step, each as soon as the device has it: the caller's handling of a
-        step overlaps the device's work on the later ones. Tokens past a sequence's end are
-        the caller's to drop."""
-        rows = list(range(len(self.seqs)))
-        for sample, ready in self.steps:
-            if ready is not None:
-                ready.synchronize()  # this step's tokens are in pinned host memory
-            output = ModelRunnerOutput.empty(len(self.seqs))
-            output.add_samples(rows, self.seqs, sample)
-            yield output
-
-    def rows_of(self, seqs: list[Sequence]) -> np.ndarray:
-        """Row of each of `seqs` in this round.  # [len(seqs)] int64"""
-        row = {seq.seq_id: i for i, seq in enumerate(self.seqs)}
-        return np.fromiter((row[seq.seq_id] for seq in seqs), np.int64, len(seqs))
 
 
 class ModelRunner:
@@ -253,40 +223,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode_round(self, seqs: list[Sequence], num_steps: int,
-                            after: "DecodeRound | None" = None) -> "DecodeRound":
+                            after: DecodeRound | None = None) -> DecodeRound:
         """Queue `num_steps` decode steps of `seqs` back to back, with no host sync in between:
         each step's sampled tokens feed the next on the device, positions and KV slots advance
-        there too. The block tables must already cover every step (Scheduler.extend_decode).
+        there too (engine/decode_round.py; a round with a structured-output grammar row queues
+        each step's sampling as the host hands it the step before). The block tables must
+        already cover every step (Scheduler.extend_decode).
 
         `after`: a launched round whose last step the host has not seen yet; this round
         continues its sequences `seqs` (a subset of them) from their tokens on the device,
         so the device goes on without waiting for the host (async scheduling).
         """
-        num_pending = 0 if after is None else 1
-        input_ids, positions, context, _ = self.prepare(seqs, after)
-        metadata = SamplingMetadata.build(seqs, self.model_config.vocab_size, self.device)
-        in_graph = self.graph_runner is not None and self.graph_runner.can_run(context, len(seqs))
-        steps, token_ids = [], None
-        for step in range(num_steps):
-            if step > 0 and not in_graph:
-                input_ids, positions, context = self._advance_decode(token_ids, positions, context)
-            if step + num_pending > 0:
-                metadata.advance_seeds(seqs, step + num_pending)
-            with set_context(context):  # after step 0 in a graph, only its logits_indices is read
-                if step > 0 and in_graph:  # the graph's input buffers advance in place, one launch
-                    hidden = self.graph_runner.run_next_step(token_ids, self.block_size)
-                else:
-                    hidden = self._forward(input_ids, positions, context)
-                logits = self.model.compute_logits(hidden)
-            sample = self.sampler(logits, metadata)
-            token_ids, ready = sample.token_ids, None
-            if self.device.type == "cuda":
-                host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-                sample = replace(sample, token_ids=host.copy_(token_ids, non_blocking=True))
-                ready = torch.cuda.Event()
-                ready.record()
-            steps.append((sample, ready))
-        return DecodeRound(seqs, steps, token_ids)
+        return DecodeRound.launch(self, seqs, num_steps, after)
 
     def _advance_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
                         context: Context) -> tuple[torch.Tensor, torch.Tensor, Context]:

@@ -72,7 +72,7 @@ class SamplingMetadata:
         metadata.banned_tokens = _banned_tokens(seqs, device)
         metadata.allowed_tokens = _allowed_tokens(seqs, vocab_size, device)
         metadata.logit_bias = _logit_bias(seqs, device)
-        metadata.token_bitmask = _token_bitmask(seqs, vocab_size, device)
+        metadata.token_bitmask = fill_token_bitmask(seqs, vocab_size, device)
         metadata.max_num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         return metadata
 
@@ -126,8 +126,9 @@ class SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
         rows, token_ids, in_prompt = _flat_token_ids([seq if p.has_penalties else None
                                                       for seq, p in zip(seqs, params)])
-        prompt = torch.stack([rows[in_prompt], token_ids[in_prompt]]).to(device)    # [2, num_prompt_tokens]
-        output = torch.stack([rows[~in_prompt], token_ids[~in_prompt]]).to(device)  # [2, num_output_tokens]
+        # pinned on a GPU: a copy from pageable memory would make the host wait for the device
+        prompt = _to_device(torch.stack([rows[in_prompt], token_ids[in_prompt]]), device)    # [2, num_prompt_tokens]
+        output = _to_device(torch.stack([rows[~in_prompt], token_ids[~in_prompt]]), device)  # [2, num_output_tokens]
         self.prompt_mask = torch.zeros(len(seqs), vocab_size, dtype=torch.bool, device=device)
         self.prompt_mask[prompt[0], prompt[1]] = True
         self.output_counts = torch.zeros(len(seqs), vocab_size, dtype=torch.float32, device=device)
@@ -192,9 +193,12 @@ def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tenso
             _tensor(biases, torch.float32, device))
 
 
-def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """Structured outputs: the tokens each constrained row may sample next, from its matcher."""
-    rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.is_active]
+def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Structured outputs: the tokens each constrained row may sample next, from its matcher
+    as it stands; every token in free rows, in rows whose grammar is done, and in rows of
+    sequences that finished (a multi-step round computes them and drops their tokens)."""
+    rows = [row for row, seq in enumerate(seqs)
+            if seq.grammar is not None and not seq.is_finished and seq.grammar.is_active]
     if not rows:
         return None
     pin = device.type == "cuda"  # filled in pinned memory, copied without a sync
@@ -207,6 +211,13 @@ def _token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     pin = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, through pinned memory on a GPU (no host wait)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 # ---- results back to sequences ------------------------------------------------

@@ -22,7 +22,10 @@ including kernels added later:
   allow-all token bitmask (a real matcher needs xgrammar and a tokenizer; the kernels see
   only the mask's shape and dtype);
 - multi-step decode rounds, plain and chained (tensor_parallel_size 1: the only case
-  that runs them).
+  that runs them). A lazy round (grammar, penalties, min_tokens rows: engine/decode_round.py)
+  launches the same forwards and, per step, the sampler with metadata built on the host:
+  the kernels see the shapes and dtypes of the sampling and grammar profiles' steps, so
+  those cover it.
 
 The scratch sequences' block tables point into the first `SCRATCH_BLOCKS` blocks of the
 KV cache (zeroed before and after; entries repeat, so any context length fits in them).

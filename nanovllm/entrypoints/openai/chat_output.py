@@ -3,9 +3,9 @@
 A `ChoiceParser` follows one choice's text: the reasoning parser (if any) takes the
 thinking out, the tool parser (if any) takes tool calls out of the rest, and `choices`
 turns each engine delta into the chat chunks' `choices` entries. A tool call streams as
-OpenAI streams one: a delta with its index, id, type and name (arguments ""), then a delta
-with its arguments; the choice then ends with finish_reason "tool_calls" (unless max_tokens
-cut it: "length").
+OpenAI streams one: a delta with its index, id, type and name (arguments ""), then deltas
+that append to its arguments as the model writes them; the choice then ends with
+finish_reason "tool_calls" (unless max_tokens cut it: "length").
 """
 from nanovllm.entrypoints.openai import tool_parsers
 from nanovllm.entrypoints.openai.reasoning_parsers import ReasoningConfig, ReasoningParser
@@ -31,8 +31,8 @@ class ChoiceParser:
                 tools = tool_parsers.TOOL_PARSERS[tool_parser]()
         return cls(None if reasoning is None else reasoning.parser(prompt_token_ids), tools)
 
-    def feed(self, text: str, finished: bool) -> tuple[str, str, list[tool_parsers.ToolCall]]:
-        """(reasoning, content, completed tool calls) of a new piece of the choice's text."""
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[tool_parsers.ToolCallDelta]]:
+        """(reasoning, content, tool-call deltas) of a new piece of the choice's text."""
         reasoning, content = ("", text) if self.reasoning is None else self.reasoning.feed(text)
         if finished and self.reasoning is not None:
             more_reasoning, more_content = self.reasoning.finish()
@@ -58,12 +58,14 @@ class ChoiceParser:
             return [_entry(c.index, delta, logprobs, finish, c.stop_reason)]
         entries = [_entry(c.index, delta, logprobs, None, None)] if content or reasoning or logprobs else []
         for call in calls:
-            head = {"index": self.num_calls, "id": call.id, "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}
-            entries.append(_entry(c.index, {"tool_calls": [head]}, None, None, None))
-            arguments = {"index": self.num_calls, "function": {"arguments": call.arguments}}
-            entries.append(_entry(c.index, {"tool_calls": [arguments]}, None, None, None))
-            self.num_calls += 1
+            if call.name is not None:  # a call's first delta
+                self.num_calls += 1
+                head = {"index": call.index, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}
+                entries.append(_entry(c.index, {"tool_calls": [head]}, None, None, None))
+            if call.arguments:
+                arguments = {"index": call.index, "function": {"arguments": call.arguments}}
+                entries.append(_entry(c.index, {"tool_calls": [arguments]}, None, None, None))
         if finish is not None:
             entries.append(_entry(c.index, {}, None, finish, c.stop_reason))
         return entries

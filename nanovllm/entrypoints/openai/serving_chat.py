@@ -5,8 +5,9 @@ deltas; the choice's last chunk carries its `finish_reason`. The non-streaming
 response is that stream folded into one message per choice.
 
 With a reasoning parser the thinking streams as `reasoning_content` deltas; with tools,
-each tool call streams as OpenAI streams them (a delta with its id and name, then one with
-its arguments) and the choice ends with finish_reason "tool_calls" (chat_output.py).
+each tool call streams as OpenAI streams them (a delta with its id and name, then deltas of
+its arguments as they are written) and the choice ends with finish_reason "tool_calls"
+(chat_output.py).
 """
 import logging
 import time
