@@ -282,7 +282,12 @@ def main() -> None:
                     help="free vs half constrained on a tiny CPU model, one-step vs multi-step rounds")
     ap.add_argument("--repeats", type=int, default=3, help="--cpu-rounds: alternating pairs of runs per mode")
     ap.add_argument("--small", action="store_true", help="a tiny GPU smoke run")
+    ap.add_argument("--fill-threads", type=int, default=None,
+                    help="threads filling each step's bitmasks (default: the engine's)")
     args = ap.parse_args()
+    if args.fill_threads is not None:
+        from nanovllm.structured_outputs.backend import set_fill_threads
+        set_fill_threads(args.fill_threads)
     if args.cpu_mask:
         result = {"benchmark": "structured_cpu_mask", **cpu_mask(args.tokenizer, args.vocab)}
     elif args.cpu_rounds:
@@ -291,7 +296,7 @@ def main() -> None:
         if args.tokenizer is None:
             ap.error("the GPU run needs --tokenizer DIR (the grammar is compiled against its vocabulary)")
         result = {"benchmark": "structured_b1", **gpu_b1(args.tokenizer, args.small)}
-    print(json.dumps(result))
+    print(json.dumps({**result, "fill_threads": args.fill_threads}))
 
 
 if __name__ == "__main__":

@@ -82,14 +82,25 @@ def new_matcher(compiled_grammar, stop_token_ids: list[int]):
 
 
 _batch_matcher = None  # xgrammar's threaded bitmask filler, made at first use
+_fill_threads: int | None = None  # set_fill_threads; None: xgrammar's default
+
+
+def set_fill_threads(num_threads: int | None) -> None:
+    """Threads that fill a step's bitmasks (None: xgrammar's default, half the cores). The
+    engine loop waits for the fill, so while it runs every core may take part."""
+    global _batch_matcher, _fill_threads
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"the bitmask fill needs at least one thread, got {num_threads}")
+    _fill_threads, _batch_matcher = num_threads, None
 
 
 def fill_bitmasks(matchers: list, bitmask, rows: list[int]) -> None:
     """Write each matcher's next-token bitmask into its row of `bitmask` ([rows, words] int32,
-    CPU), on xgrammar's threads (half the cores)."""
+    CPU), on xgrammar's threads (set_fill_threads)."""
     global _batch_matcher
     if _batch_matcher is None:
-        _batch_matcher = _xgrammar().BatchGrammarMatcher()
+        threads = "auto" if _fill_threads is None else _fill_threads
+        _batch_matcher = _xgrammar().BatchGrammarMatcher(max_threads=threads)
     _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
 
