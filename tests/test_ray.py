@@ -26,8 +26,8 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_run_batch import (MODEL_NAME, chat_line, completion_line, read_output, tiny_smollm2_dir,  # noqa: E402
-                            write_lines)
+from smollm2_tokenizer import tiny_serving_model  # noqa: E402
+from test_run_batch import MODEL_NAME, chat_line, completion_line, read_output, write_lines  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -50,8 +50,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_smollm2_dir(str(tmp_path_factory.mktemp("tiny-ray-model")))
+def model_dir():
+    return tiny_serving_model()
 
 
 @pytest.fixture(scope="module")
