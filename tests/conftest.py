@@ -11,6 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 
+def pytest_collection_finish(session):
+    """The kernel files whose interpreter test runs here: one child runs them all (triton_interpreter.py)."""
+    from triton_interpreter import register_batch
+    register_batch({str(item.path): getattr(item.module, "CHILD_TIMEOUT_S")
+                    for item in session.items if item.name.endswith("_under_triton_interpreter")})
+
+
 @pytest.fixture(scope="session", autouse=True)
 def single_threaded_torch():
     """Tiny models gain nothing from intra-op threads, and the tests that start servers or
