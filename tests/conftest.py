@@ -13,8 +13,8 @@ from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
 
 def pytest_collection_finish(session):
     """The kernel files whose interpreter test runs here: one child runs them all (triton_interpreter.py)."""
-    from triton_interpreter import register_batch
-    register_batch({str(item.path): getattr(item.module, "CHILD_TIMEOUT_S")
+    from triton_interpreter import DEFAULT_CHILD_TIMEOUT_S, register_batch
+    register_batch({str(item.path): getattr(item.module, "CHILD_TIMEOUT_S", DEFAULT_CHILD_TIMEOUT_S)
                     for item in session.items if item.name.endswith("_under_triton_interpreter")})
 
 
