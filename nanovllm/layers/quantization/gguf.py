@@ -19,7 +19,6 @@ measured per CPU kind, benchmarks/RESULTS.md "B2 CPU, round 2").
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_int4
@@ -132,6 +131,6 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.max_int4_rows:
-            return F.linear(x, layer.weight, bias)
+            return super().apply(layer, x, bias)
         y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         return y if bias is None else y + bias
