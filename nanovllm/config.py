@@ -32,7 +32,7 @@ DEFAULT_GPU_SCHEDULER_STEPS = 8
 # running sequence's next token waited for it (serving's ITL p99 was 1.3 s), so the CPU
 # prefills in smaller chunks beside the decodes (benchmarks/RESULTS.md "B2 CPU, round 3"
 # has the sweep).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 
 
 @dataclass(frozen=True)

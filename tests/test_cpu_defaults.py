@@ -4,7 +4,7 @@ import pytest
 from nanovllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, Config
 
 
-@pytest.mark.parametrize("device_type, expected", [("cpu", 512), ("cuda", 8192)])
+@pytest.mark.parametrize("device_type, expected", [("cpu", 256), ("cuda", 8192)])
 def test_max_num_batched_tokens_follows_the_device(device_type, expected):
     config = Config.from_kwargs("unused").with_device_defaults(device_type)
     assert config.max_num_batched_tokens == expected == DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
