@@ -5,7 +5,7 @@ keyword or an out-of-range value is a `ValueError` naming it. `Config` is frozen
 values derived later (the model's config, the resolved device and dtype, the KV
 cache size) live in the objects that derive them, not here.
 """
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from nanovllm.layers.quantization import check_quantization_option
 
@@ -26,19 +26,12 @@ DEFAULT_BLOCK_SIZE = 16
 # next round is already launched; AsyncLLM holds chaining back while it has requests
 # queued). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
 DEFAULT_GPU_SCHEDULER_STEPS = 8
-# Tokens one step may compute (the chunked-prefill budget), per device type, when
-# `max_num_batched_tokens` is not given. A GPU step of 8192 tokens takes milliseconds. A CPU
-# step is bound by its products: 8192 prompt tokens took seconds on one core, while every
-# running sequence's next token waited for it (serving's ITL p99 was 1.3 s), so the CPU
-# prefills in smaller chunks beside the decodes (benchmarks/RESULTS.md "B2 CPU, round 3"
-# has the sweep).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 
 
 @dataclass(frozen=True)
 class Config:
     model: str
-    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS of the device
+    max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int | None = None          # None: the model's max_position_embeddings, capped
     tensor_parallel_size: int = 1
@@ -71,9 +64,8 @@ class Config:
     quantization: str | None = None
 
     def __post_init__(self):
-        _check_positive(self, "max_num_seqs", "tensor_parallel_size", "kvcache_block_size", "max_n")
-        if self.max_num_batched_tokens is not None:
-            _check_positive(self, "max_num_batched_tokens")
+        _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
+                        "kvcache_block_size", "max_n")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -92,13 +84,6 @@ class Config:
         check_quantization_option(self.quantization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-
-    def with_device_defaults(self, device_type: str) -> "Config":
-        """This config with the fields left to the device (None) filled in for `device_type`."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        return replace(self, max_num_batched_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS.get(
-            device_type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]))
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":

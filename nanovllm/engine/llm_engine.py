@@ -52,7 +52,6 @@ class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs):
         model = resolve_model(model)  # None: the embedded default model
         self.config = Config.from_kwargs(model, **kwargs)
-        self.config = self.config.with_device_defaults(resolve_device(self.config.device).type)
         source = ModelSource.resolve(model, self.config.load_format)
         self.model_config = source.model_config()
         self.generation_defaults = self._generation_defaults(source)

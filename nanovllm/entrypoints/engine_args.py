@@ -16,8 +16,7 @@ ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FO
 ENGINE_ARG_HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens; default: the model's context length",
     "max_num_seqs": "most sequences in one step's batch",
-    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill splits longer prompts); "
-                              "default: 8192 on a GPU, 256 on the CPU",
+    "max_num_batched_tokens": "most tokens computed in one step (chunked prefill splits longer prompts)",
     "tensor_parallel_size": "number of tensor-parallel ranks",
     "device": "where to run; auto: cuda when torch sees a GPU, else cpu",
     "dtype": "weight and activation dtype; auto: the model's on GPU, on CPU bf16 where it is fast, else fp32",
