@@ -18,7 +18,9 @@ price against the LM head's 113 MB read per decode step.
 
 Each of those dense fp32 weights also gets a oneDNN-packed copy (`packed_weight`, an
 attribute of the layer, not a parameter), which products of 3 rows and more run on:
-faster than either layout there (kernels/cpu_gemm.py has the figures).
+faster than either layout there (kernels/cpu_gemm.py has the figures). The copy is made
+once, after loading: code that changed a weight later would have to pack it again
+(nothing in the engine does).
 """
 import torch
 from torch import nn
