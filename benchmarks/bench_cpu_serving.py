@@ -7,7 +7,11 @@ venv bench_cpu.py makes) sends 64 random prompts of 128 tokens for 64 output tok
 (`ignore_eos`) at concurrency 16 to /v1/completions and reports output throughput, TTFT,
 TPOT and ITL (median, p99).
 
-    python benchmarks/bench_cpu_serving.py [--servers ours,vllm] [--venv-dir DIR]
+    python benchmarks/bench_cpu_serving.py [--servers ours,vllm] [--venv-dir DIR] [--threads N]
+        [--ours-args "--max-num-batched-tokens 512"]
+
+`--threads N` gives each server N threads (ours OMP_NUM_THREADS, vLLM its OpenMP binding);
+default: each server's own (one per core). `--ours-args`: extra `nanovllm serve` options.
 
 Prints a table and a final JSON line.
 """
@@ -52,10 +56,10 @@ def wait_ready(port: int, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"the server on port {port} was not ready after {START_TIMEOUT_S} s")
 
 
-def server_command(name: str, port: int, hf_dir: str, vllm_python: str) -> list[str]:
+def server_command(name: str, port: int, hf_dir: str, vllm_python: str, ours_args: str = "") -> list[str]:
     if name == "ours":
         return [sys.executable, "-m", "nanovllm.entrypoints.cli", "serve", "--port", str(port),
-                "--served-model-name", SERVED_NAME]
+                "--served-model-name", SERVED_NAME, *ours_args.split()]
     dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--port", str(port), "--dtype", dtype,
             "--served-model-name", SERVED_NAME, "--max-model-len", "1024"]
@@ -87,7 +91,10 @@ def serve_and_bench(name: str, hf_dir: str, vllm_python: str, args) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     if name == "vllm":
         env["PYTHONPATH"] = ""
-    proc = subprocess.Popen(server_command(name, port, hf_dir, vllm_python), env=env,
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    proc = subprocess.Popen(server_command(name, port, hf_dir, vllm_python, args.ours_args), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
@@ -109,11 +116,14 @@ def main(argv=None) -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None, help="threads per server (default: the server's own)")
+    ap.add_argument("--ours-args", default="", help="extra options for our server, e.g. '--max-num-batched-tokens 512'")
     args = ap.parse_args(argv)
     os.makedirs(args.venv_dir, exist_ok=True)
     hf_dir = dequantized_hf_dir(default_model_path(), args.venv_dir)
     vllm_python = ensure_venv(args.venv_dir, "vllm")
-    result = dict(bench="B2-serving", cpu_flags=cpu_flags(), load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()))
+    result = dict(bench="B2-serving", cpu_flags=cpu_flags(), threads=args.threads, ours_args=args.ours_args,
+                  load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()))
     for name in args.servers.split(","):
         result[name] = serve_and_bench(name, hf_dir, vllm_python, args)
         print(name, result[name], flush=True)

@@ -78,3 +78,17 @@ def test_buffers_made_in_inference_mode_serve_calls_outside_it():
     with torch.inference_mode():
         inside = cpu_attn.paged_attention(*case, scale=0.25)
     torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.25), inside)
+
+
+@pytest.mark.parametrize("q_lens", [[7, 1, 12, 1, 1], [1, 1, 5], [3, 1, 1, 4, 1, 2], [1, 6]])
+def test_mixed_steps_split_decodes_from_prefills(q_lens):
+    """Decodes of a mixed step take the batched path, its prefill chunks the reference; together
+    they equal the reference's whole step (prefills first, last, between, alone)."""
+    seq_lens = [n + 11 * i for i, n in enumerate(q_lens)]
+    case = _paged_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, block_size=5)
+    expected = torch_ref.paged_attention(*case, scale=0.3)
+    for _ in range(2):  # the second call reuses the step's split and plan
+        torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.3, max_seqlen_k=max(seq_lens)),
+                                   expected, rtol=1e-5, atol=1e-5)
+    if sum(n == 1 for n in q_lens) >= 2:
+        assert cpu_attn._local.split[1] is not None

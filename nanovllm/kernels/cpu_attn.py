@@ -13,7 +13,9 @@ token) does, per layer:
    head become G queries of that head), so no K/V head is repeated and torch's CPU
    flash-attention kernel applies.
 
-Prefill chunks and mixed steps go to `torch_ref` (once per prompt, not per token).
+A mixed step (decodes beside prefill chunks: every serving step while prompts arrive)
+splits: its decodes go through the batched path, its prefill chunks through `torch_ref`
+(once per prompt, not per token). A step of prefills only goes to `torch_ref` whole.
 Signatures are those of `torch_ref`; tests compare the two. An fp8 cache is gathered as
 bytes and dequantized before SDPA (which rejects fp8), as in `torch_ref`.
 """
@@ -39,11 +41,21 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
     k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache
     """
-    if slot_mapping.numel() == 0 or int(slot_mapping.min()) < 0:
+    if not _all_slots_valid(slot_mapping):
         return torch_ref.store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     key, value = torch_ref.quantize_for_cache(key, value, k_cache.dtype, k_scale, v_scale)
     kv_quant.as_bytes(k_cache).view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, kv_quant.as_bytes(key))
     kv_quant.as_bytes(v_cache).view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, kv_quant.as_bytes(value))
+
+
+def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
+    """No slot is -1 (and there is one): checked once per step, as every layer gets the same tensor."""
+    last = getattr(_local, "slots", None)
+    if last is not None and last[0] is slot_mapping:
+        return last[1]
+    valid = slot_mapping.numel() > 0 and int(slot_mapping.min()) >= 0
+    _local.slots = (slot_mapping, valid)
+    return valid
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,12 +70,51 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cu_seqlens_q: [num_seqs + 1]; seq_lens_k: [num_seqs]; block_tables: [num_seqs, max_blocks]
     Returns:      [num_tokens, num_heads, head_dim]
     """
-    if q.shape[0] != seq_lens_k.shape[0]:  # some sequence has more than one query: not decode-only
+    if q.shape[0] == seq_lens_k.shape[0]:  # one query per sequence: decode-only
+        return decode_attention(q, k_cache, v_cache, seq_lens_k, block_tables, scale, max_seqlen_k,
+                                k_scale, v_scale)
+    split = _mixed_split(cu_seqlens_q, seq_lens_k, block_tables)
+    if split is None:  # fewer than two decodes: nothing to batch
         return torch_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                          k_scale=k_scale, v_scale=v_scale)
-    return decode_attention(q, k_cache, v_cache, seq_lens_k, block_tables, scale, max_seqlen_k,
-                            k_scale, v_scale)
+    decode_rows, decode_lens, decode_tables, prefill_rows, prefill_cu, prefill_lens, prefill_tables = split
+    out = torch.empty_like(q)
+    out[decode_rows] = decode_attention(q[decode_rows], k_cache, v_cache, decode_lens, decode_tables, scale,
+                                        max_seqlen_k, k_scale, v_scale)
+    out[prefill_rows] = torch_ref.paged_attention(q[prefill_rows], k_cache, v_cache, prefill_cu, prefill_lens,
+                                                  prefill_tables, scale, k_scale=k_scale, v_scale=v_scale)
+    return out
+
+
+def _mixed_split(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor):
+    """A mixed step's decodes and prefill chunks, apart; None when it has fewer than two decodes.
+
+    Returns (decode query rows [d], their seq_lens_k [d] and block tables [d, max_blocks],
+    prefill query rows [p_tokens], their cu_seqlens_q [p + 1], seq_lens_k [p], block tables).
+    Built once per step (every layer gets the same Context tensors), like `_decode_plan`; the
+    decode part's tensors stay the same objects, so that plan is built once per step too.
+    """
+    key = (cu_seqlens_q, seq_lens_k, block_tables)
+    last = getattr(_local, "split", None)
+    if last is not None and all(a is b for a, b in zip(last[0], key)):
+        return last[1]
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()  # [num_seqs]
+    is_decode = q_lens == 1
+    if int(is_decode.sum()) < 2:
+        split = None
+    else:
+        decodes, prefills = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
+        starts = cu_seqlens_q[:-1].long()
+        prefill_q_lens = q_lens[prefills]
+        prefill_cu = torch.cat([prefill_q_lens.new_zeros(1), prefill_q_lens.cumsum(0)]).to(cu_seqlens_q.dtype)
+        # each prefill token's row: its sequence's first row + its offset in the chunk
+        offsets = torch.arange(int(prefill_cu[-1])) - torch.repeat_interleave(prefill_cu[:-1].long(), prefill_q_lens)
+        prefill_rows = torch.repeat_interleave(starts[prefills], prefill_q_lens) + offsets
+        split = (starts[decodes], seq_lens_k[decodes], block_tables[decodes],
+                 prefill_rows, prefill_cu, seq_lens_k[prefills], block_tables[prefills])
+    _local.split = (key, split)
+    return split
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,

@@ -5,12 +5,15 @@ On CUDA tensors they run the Triton kernels of `triton_ops.py`; elsewhere the pl
 torch versions below, which follow HF transformers' arithmetic (float32 inside,
 rounded back to the input dtype).
 """
+import threading
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import get_attention_backend
+
+_local = threading.local()  # the last step's cos/sin lookup, per thread (two engines may step in two)
 
 
 class KVStore(NamedTuple):
@@ -35,6 +38,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # torch's fused kernel: the same values
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -56,11 +61,26 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
         return q, k
     if q_weight is not None:
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)  # [num_tokens, 1, d/2]
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = _cos_sin(positions, cos_sin_cache)  # [num_tokens, 1, d/2] each
+    if q.dtype == k.dtype:  # q and k rotated together: half the small ops
+        q, k = _rotate(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
+    else:
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     if kv_store is not None:  # the attention backend's store: on CUDA Triton's, which graphs can capture
         get_attention_backend(k.device.type).store_kvcache(k, *kv_store)
     return q, k
+
+
+def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of `positions` [num_tokens]: each [num_tokens, 1, d/2]. Every layer of a step
+    passes the same two tensors, so the lookup is done once per step (the last one is kept,
+    per thread, with the tensors it was made from)."""
+    last = getattr(_local, "cos_sin", None)
+    if last is not None and last[0] is positions and last[1] is cos_sin_cache:
+        return last[2]
+    cos_sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+    _local.cos_sin = (positions, cos_sin_cache, cos_sin)
+    return cos_sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

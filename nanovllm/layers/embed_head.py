@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.cpu_gemm import dense_linear
 from nanovllm.layers.linear import read_shard
 from nanovllm.utils.parallel import all_reduce, gather_to_rank0, get_tp_rank, get_tp_size
 
@@ -41,7 +42,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] (on rank 0; None elsewhere)."""
-        logits = F.linear(hidden, self.weight)  # [num_rows, shard_size]
+        # [num_rows, shard_size]; on the CPU by a oneDNN-packed copy for batches (kernels/cpu_gemm.py)
+        logits = dense_linear(hidden, self.weight, None, getattr(self, "packed_weight", None))
         if self.tp_size > 1:
             parts = gather_to_rank0(logits, self.tp_rank, self.tp_size)
             if parts is None:

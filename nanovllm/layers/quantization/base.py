@@ -22,8 +22,9 @@ method owns the layer's parameters and its product, in three steps (vLLM's split
 existed, and what runs when no method is configured.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.kernels.cpu_gemm import dense_linear
 
 
 def set_shard_tags(param: nn.Parameter, output_dim: int | None, input_dim: int | None,
@@ -54,7 +55,8 @@ class LinearMethod:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight in the engine's dtype; the product is `F.linear`."""
+    """A dense weight in the engine's dtype; the product is `F.linear` (on the CPU, oneDNN's
+    on a packed copy for batches: kernels/cpu_gemm.py)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -62,7 +64,7 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_shard_tags(weight, output_dim=0, input_dim=1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
 
     @property
     def is_dense(self) -> bool:

@@ -14,7 +14,6 @@ weight off by at most half a step (max |w| / 254 of its row); int4 by half a ste
 group ((max - min) / 30).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_int4
@@ -78,7 +77,7 @@ class CPUIntLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.max_rows:
-            return F.linear(x, layer.weight, bias)
+            return super().apply(layer, x, bias)
         if self.bits == 4:
             y = cpu_int4.int4_linear(x, *self.packed)
         else:

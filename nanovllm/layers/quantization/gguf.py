@@ -19,7 +19,6 @@ measured per CPU kind, benchmarks/RESULTS.md "B2 CPU, round 2").
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_int4
@@ -29,10 +28,12 @@ from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig,
 from nanovllm.utils.device import cpu_has_fast_bf16
 
 # Token counts up to which the int4 kernel beats the dense product, per CPU kind, measured
-# with benchmarks/bench_cpu_quant.py on SmolLM2-135M's layers (benchmarks/RESULTS.md "B2 CPU,
-# round 2"): on AVX2 (dense fp32) int4 was 1.5-3x faster up to 16 tokens, slower from 32.
-# AVX512-BF16 (dense bf16) has not been measured here yet: it takes the AVX2 figure.
-MAX_INT4_ROWS = {"avx2": 16, "avx512_bf16": 16}
+# on SmolLM2-135M's layer shapes (benchmarks/RESULTS.md "B2 CPU, round 3"): on AVX2 against
+# the oneDNN-packed fp32 product (kernels/cpu_gemm.py; benchmarks/bench_cpu_gemm.py, one
+# thread) int4 was faster up to 12 tokens (90 vs 139 ms for the 120 layers) and slower from
+# 16 (151 vs 119 ms); against the plain column-major product (round 2) it had been up to 16.
+# AVX512-BF16 (dense bf16) has not been measured here yet: it takes the round-2 figure.
+MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 16}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -132,6 +133,6 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.max_int4_rows:
-            return F.linear(x, layer.weight, bias)
+            return super().apply(layer, x, bias)
         y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         return y if bias is None else y + bias

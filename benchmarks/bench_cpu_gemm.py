@@ -1,0 +1,106 @@
+"""CPU products per kernel and row count: which one each batch size should run.
+
+One step of SmolLM2-135M's products at M rows: its 120 linear layers (qkv 960x576, o
+576x576, gate_up 3072x576, down 576x1536, 30 layers, each its own random weight so they
+stream from memory as in a real step) and the LM head (49152x576), one after another,
+with each kernel:
+
+- row: `F.linear` on the row-major [out, in] weight (as checkpoints store it)
+- col: `F.linear` on the column-major weight (kernels/cpu_linear.py)
+- dnn: oneDNN's `_linear_pointwise` on a weight packed once (kernels/cpu_gemm.py)
+- int4: `_weight_int4pack_mm_for_cpu`, bf16 activations (kernels/cpu_int4.py); head by dnn
+- int8: `_weight_int8pack_mm` per-channel, bf16 activations (head too)
+
+The kernels alternate within each repeat, so a busy machine slows all of them alike;
+medians are printed. fp32 everywhere else.
+
+    python benchmarks/bench_cpu_gemm.py --threads 1 --rows 1 2 4 16 64 --kinds col dnn int4 int8
+
+Prints one line per row count and a final JSON line.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nanovllm.kernels import cpu_gemm, cpu_int4  # noqa: E402
+from nanovllm.layers.quantization.cpu_int import quantize_int8  # noqa: E402
+from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of one decoder layer
+NUM_LAYERS, HEAD_SHAPE = 30, (49152, 576)
+
+
+def _dnn(x, w):
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _int8(x, w):
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), *w).float()
+
+
+def prepare(kind: str, weights: list[torch.Tensor], head: torch.Tensor):
+    """(layer weights, head weight, product fn) in `kind`'s form."""
+    if kind == "row":
+        return weights, head, F.linear
+    if kind == "col":
+        col = lambda w: w.t().contiguous().t()  # noqa: E731
+        return [col(w) for w in weights], col(head), F.linear
+    if kind == "dnn":
+        return [cpu_gemm.pack(w) for w in weights], cpu_gemm.pack(head), _dnn
+    if kind == "int4":
+        packs = [cpu_int4.pack_int4(*cpu_int4.quantize_affine(w), torch.bfloat16) for w in weights]
+        return packs, cpu_gemm.pack(head), lambda x, w: cpu_int4.int4_linear(x, *w) if isinstance(w, tuple) else _dnn(x, w)
+    if kind == "int8":
+        q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*quantize_int8(w))  # noqa: E731
+        return [q8(w) for w in weights], q8(head), _int8
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+@torch.inference_mode()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 64])
+    ap.add_argument("--kinds", nargs="+", default=["col", "dnn", "int4", "int8"])
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*s, generator=gen) * 0.02 for _ in range(NUM_LAYERS) for s in LAYER_SHAPES]
+    head = torch.randn(*HEAD_SHAPE, generator=gen) * 0.02
+    kinds = {k: prepare(k, weights, head) for k in args.kinds}
+    result = dict(bench="cpu_gemm", cpu_kind="avx512_bf16" if cpu_has_fast_bf16() else "avx2",
+                  threads=torch.get_num_threads(), load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+                  ms={})
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in LAYER_SHAPES}}
+        times = {k: ([], []) for k in kinds}
+        for _ in range(args.repeats):
+            for kind, (ws, hw, fn) in kinds.items():
+                start = time.perf_counter()
+                for w, (_, cols) in zip(ws, LAYER_SHAPES * NUM_LAYERS):
+                    fn(xs[cols], w)
+                mid = time.perf_counter()
+                fn(xs[HEAD_SHAPE[1]], hw)
+                times[kind][0].append(mid - start)
+                times[kind][1].append(time.perf_counter() - mid)
+        row = {k: {"layers": round(median(a) * 1e3, 1), "head": round(median(b) * 1e3, 1)} for k, (a, b) in times.items()}
+        result["ms"][rows] = row
+        print(f"{rows:>5} rows  " + "  ".join(f"{k}: {v['layers']:7.1f} + head {v['head']:6.1f} ms" for k, v in row.items()),
+              flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
