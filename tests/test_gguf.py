@@ -15,6 +15,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from shared_gguf_reads import shared_gguf_reads  # noqa: E402
+
 from nanovllm.utils.dequant import QUANT_TYPES, dequantize  # noqa: E402
 from nanovllm.utils.gguf_loader import read_gguf_header  # noqa: E402
 
@@ -184,8 +186,9 @@ def test_tiny_gguf_greedy_matches_hf_loading_the_same_file(tiny_gguf, gguf_famil
     """Quantized (Q8_0/Q4_0/Q4_1/F16/BF16/F32 mixed): HF's GGUF loader is the reference."""
     from transformers import AutoModelForCausalLM
     path, _ = tiny_gguf(gguf_family, quantize=True)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
+    with shared_gguf_reads():
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).eval()
     _assert_greedy_equal(path, hf)
 
 
@@ -387,14 +390,17 @@ def _smollm_path() -> str:
 @pytest.fixture(scope="module")
 def smol(smollm2_llm):
     """(our LLM, HF model, HF tokenizer), all from the embedded GGUF file, fp32; built once (our
-    LLM and HF's tokenizer once a session: conftest, smollm2_tokenizer)."""
+    LLM and HF's tokenizer once a session: conftest, smollm2_tokenizer; HF parses the file once
+    for its tokenizer, config and weights: shared_gguf_reads)."""
     from transformers import AutoModelForCausalLM
 
     from smollm2_tokenizer import smollm2_tokenizer
     path = _smollm_path()
     folder, name = os.path.split(path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    return smollm2_llm, hf, smollm2_tokenizer()
+    tokenizer = smollm2_tokenizer()
+    with shared_gguf_reads():
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return smollm2_llm, hf, tokenizer
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:
