@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_attn, torch_ref
+from nanovllm.kernels import cpu_attn, step_memo, torch_ref
 
 
 def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=16, seed=0):
@@ -91,4 +91,4 @@ def test_mixed_steps_split_decodes_from_prefills(q_lens):
         torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.3, max_seqlen_k=max(seq_lens)),
                                    expected, rtol=1e-5, atol=1e-5)
     if sum(n == 1 for n in q_lens) >= 2:
-        assert cpu_attn._local.split[1] is not None
+        assert step_memo._local.mixed_split[1] is not None

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import kv_quant, torch_ref
+from nanovllm.kernels.step_memo import once_per_step
 
-# Per-thread state (two engines stepping in two threads must not share it): the last
-# decode step's plan, and the buffers the gathered K/V are written into, reused by
-# every layer and step instead of allocated afresh (about 30% of the gather's time).
+# Per-thread state (two engines stepping in two threads must not share it): the buffers
+# the gathered K/V are written into, reused by every layer and step instead of allocated
+# afresh (about 30% of the gather's time). Once-per-step plans: kernels/step_memo.py.
 _local = threading.local()
 
 
@@ -50,12 +51,8 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
     """No slot is -1 (and there is one): checked once per step, as every layer gets the same tensor."""
-    last = getattr(_local, "slots", None)
-    if last is not None and last[0] is slot_mapping:
-        return last[1]
-    valid = slot_mapping.numel() > 0 and int(slot_mapping.min()) >= 0
-    _local.slots = (slot_mapping, valid)
-    return valid
+    return once_per_step("slots_valid", (slot_mapping,),
+                         lambda: slot_mapping.numel() > 0 and int(slot_mapping.min()) >= 0)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -95,26 +92,24 @@ def _mixed_split(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tab
     Built once per step (every layer gets the same Context tensors), like `_decode_plan`; the
     decode part's tensors stay the same objects, so that plan is built once per step too.
     """
-    key = (cu_seqlens_q, seq_lens_k, block_tables)
-    last = getattr(_local, "split", None)
-    if last is not None and all(a is b for a, b in zip(last[0], key)):
-        return last[1]
+    return once_per_step("mixed_split", (cu_seqlens_q, seq_lens_k, block_tables),
+                         lambda: _build_mixed_split(cu_seqlens_q, seq_lens_k, block_tables))
+
+
+def _build_mixed_split(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor):
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()  # [num_seqs]
     is_decode = q_lens == 1
     if int(is_decode.sum()) < 2:
-        split = None
-    else:
-        decodes, prefills = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
-        starts = cu_seqlens_q[:-1].long()
-        prefill_q_lens = q_lens[prefills]
-        prefill_cu = torch.cat([prefill_q_lens.new_zeros(1), prefill_q_lens.cumsum(0)]).to(cu_seqlens_q.dtype)
-        # each prefill token's row: its sequence's first row + its offset in the chunk
-        offsets = torch.arange(int(prefill_cu[-1])) - torch.repeat_interleave(prefill_cu[:-1].long(), prefill_q_lens)
-        prefill_rows = torch.repeat_interleave(starts[prefills], prefill_q_lens) + offsets
-        split = (starts[decodes], seq_lens_k[decodes], block_tables[decodes],
-                 prefill_rows, prefill_cu, seq_lens_k[prefills], block_tables[prefills])
-    _local.split = (key, split)
-    return split
+        return None
+    decodes, prefills = is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1)
+    starts = cu_seqlens_q[:-1].long()
+    prefill_q_lens = q_lens[prefills]
+    prefill_cu = torch.cat([prefill_q_lens.new_zeros(1), prefill_q_lens.cumsum(0)]).to(cu_seqlens_q.dtype)
+    # each prefill token's row: its sequence's first row + its offset in the chunk
+    offsets = torch.arange(int(prefill_cu[-1])) - torch.repeat_interleave(prefill_cu[:-1].long(), prefill_q_lens)
+    prefill_rows = torch.repeat_interleave(starts[prefills], prefill_q_lens) + offsets
+    return (starts[decodes], seq_lens_k[decodes], block_tables[decodes],
+            prefill_rows, prefill_cu, seq_lens_k[prefills], block_tables[prefills])
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,
@@ -165,13 +160,14 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_siz
     and the row numbers of the gathered slots no sequence owns [num_unowned].
 
     Every layer of a step gets the same `block_tables` and `seq_lens_k` tensors (from
-    one Context), so the plan is built once per step, not per layer. The plan keeps
-    those tensors alive, so their identity cannot be reused until the next step's.
+    one Context), so the plan is built once per step, not per layer (step_memo).
     """
-    key = (block_tables, seq_lens_k, block_size, max_seqlen_k)
-    last = getattr(_local, "plan", None)
-    if last is not None and _same_key(last[0], key):
-        return last[1]
+    return once_per_step("decode_plan", (block_tables, seq_lens_k, block_size, max_seqlen_k),
+                         lambda: _build_decode_plan(block_tables, seq_lens_k, block_size, max_seqlen_k))
+
+
+def _build_decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,
+                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if max_seqlen_k is not None:  # the host-known bound trims table columns no sequence uses
         block_tables = block_tables[:, :-(-max_seqlen_k // block_size)]
     blocks = block_tables.clamp_min(0).flatten().long()  # -1 padding reads block 0, masked below
@@ -179,10 +175,6 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_siz
     unowned = positions >= seq_lens_k[:, None]  # [num_seqs, max_len]
     mask = torch.zeros(len(seq_lens_k), 1, 1, len(positions), device=seq_lens_k.device)
     mask.masked_fill_(unowned[:, None, None, :], float("-inf"))
-    _local.plan = (key, (blocks, mask, unowned.flatten().nonzero().squeeze(1)))
-    return _local.plan[1]
+    return blocks, mask, unowned.flatten().nonzero().squeeze(1)
 
 
-def _same_key(a: tuple, b: tuple) -> bool:
-    """The same tensors (identity, not values) and the same sizes."""
-    return a[0] is b[0] and a[1] is b[1] and a[2:] == b[2:]

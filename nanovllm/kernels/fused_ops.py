@@ -5,15 +5,13 @@ On CUDA tensors they run the Triton kernels of `triton_ops.py`; elsewhere the pl
 torch versions below, which follow HF transformers' arithmetic (float32 inside,
 rounded back to the input dtype).
 """
-import threading
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import get_attention_backend
-
-_local = threading.local()  # the last step's cos/sin lookup, per thread (two engines may step in two)
+from nanovllm.kernels.step_memo import once_per_step
 
 
 class KVStore(NamedTuple):
@@ -73,14 +71,9 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of `positions` [num_tokens]: each [num_tokens, 1, d/2]. Every layer of a step
-    passes the same two tensors, so the lookup is done once per step (the last one is kept,
-    per thread, with the tensors it was made from)."""
-    last = getattr(_local, "cos_sin", None)
-    if last is not None and last[0] is positions and last[1] is cos_sin_cache:
-        return last[2]
-    cos_sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
-    _local.cos_sin = (positions, cos_sin_cache, cos_sin)
-    return cos_sin
+    passes the same two tensors, so the lookup is done once per step."""
+    return once_per_step("cos_sin", (positions, cos_sin_cache),
+                         lambda: cos_sin_cache[positions].unsqueeze(1).chunk(2, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
