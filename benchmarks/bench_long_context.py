@@ -50,24 +50,18 @@ def attention_split_sweep(cfg: dict, context: int, splits: list[int]) -> dict:
     """ms of one decode's attention (all layers) at each split factor, and its bytes floor."""
     import triton
     from nanovllm.kernels import triton_attn
-    h, kvh, d, L, bs = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], \
-        cfg["num_hidden_layers"], 16
-    blocks = -(-context // bs)
-    k = torch.randn(blocks, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    q = torch.randn(1, h, d, device="cuda", dtype=torch.bfloat16)
-    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(1, -1)
-    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+    decode = _paged_inputs(cfg, context - 1, 1)
     out = {}
     for n in splits:
-        fn = lambda: triton_attn.paged_attention(q, k, v, cu, lens, tables, d ** -0.5, max_seqlen_q=1,  # noqa: E731
-                                                 max_seqlen_k=context, num_splits=n or None)
+        fn = lambda: triton_attn.paged_attention(**decode, num_splits=n or None)  # noqa: E731
         fn()
-        out[str(n or "policy")] = round(L * triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median"), 3)
-    floor_ms = L * 2 * k.numel() * k.element_size() / copy_bandwidth() * 1e3
+        ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+        out[str(n or "policy")] = round(cfg["num_hidden_layers"] * ms, 3)
+    k = decode["k_cache"]
+    floor_ms = cfg["num_hidden_layers"] * 2 * k.numel() * k.element_size() / copy_bandwidth() * 1e3
     return {"attention_ms_by_splits": out, "attention_floor_ms": round(floor_ms, 3),
-            "policy_splits": triton_attn._choose_num_splits(kvh, context, torch.device("cuda"))}
+            "policy_splits": triton_attn._choose_num_splits(cfg["num_key_value_heads"], context,
+                                                            torch.device("cuda"))}
 
 
 # (BLOCK_N, num_warps, num_stages) of decode tiles; (BLOCK_M, BLOCK_N, num_warps, num_stages) of prefill
@@ -102,25 +96,28 @@ def _paged_inputs(cfg: dict, cached: int, queries: int):
                 scale=d ** -0.5, max_seqlen_q=queries, max_seqlen_k=context)
 
 
+def _time_tile(module, inputs: dict, bench, **constants):
+    """ms of one `paged_attention` call on `inputs` with the tile constants set, or why it failed."""
+    try:
+        with tile_constants(module, **constants):
+            fn = lambda: module.paged_attention(**inputs)  # noqa: E731
+            fn()
+            return bench(fn, rep=200, return_mode="median")
+    except Exception as e:  # a shape this GPU cannot compile (shared memory): named, not fatal
+        return f"failed: {type(e).__name__}"
+
+
 def tile_sweep(cfg: dict, context: int) -> dict:
     """ms of the decode (all layers) and of one prefill chunk (all layers) per tile shape."""
     import triton
     from nanovllm.kernels import triton_attn
     L = cfg["num_hidden_layers"]
-    decode = _paged_inputs(cfg, context - 1, 1)
     out = {"decode_ms_by_tile": {}, "prefill_ms_by_tile": {}, "prefill_tflops_by_tile": {}}
+    decode = _paged_inputs(cfg, context - 1, 1)
     for block_n, warps, stages in DECODE_TILES:
-        name = f"n{block_n}_w{warps}_s{stages}"
-        try:
-            with tile_constants(triton_attn, DECODE_BLOCK_N=block_n, DECODE_NUM_WARPS=warps,
-                                DECODE_NUM_STAGES=stages):
-                fn = lambda: triton_attn.paged_attention(**decode)  # noqa: E731
-                fn()
-                ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-        except Exception as e:  # a shape this GPU cannot compile (shared memory): named, not fatal
-            out["decode_ms_by_tile"][name] = f"failed: {type(e).__name__}"
-            continue
-        out["decode_ms_by_tile"][name] = round(L * ms, 3)
+        ms = _time_tile(triton_attn, decode, triton.testing.do_bench_cudagraph, DECODE_BLOCK_N=block_n,
+                        DECODE_NUM_WARPS=warps, DECODE_NUM_STAGES=stages)
+        out["decode_ms_by_tile"][f"n{block_n}_w{warps}_s{stages}"] = ms if isinstance(ms, str) else round(L * ms, 3)
     cached = PROMPT_LEN - PREFILL_CHUNK
     prefill = _paged_inputs(cfg, cached, PREFILL_CHUNK)
     # causal: query i of the chunk sees cached + i + 1 keys
@@ -128,17 +125,11 @@ def tile_sweep(cfg: dict, context: int) -> dict:
                                                                  + PREFILL_CHUNK * (PREFILL_CHUNK + 1) // 2)
     for block_m, block_n, warps, stages in PREFILL_TILES:
         name = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
-        try:
-            with tile_constants(triton_attn, PREFILL_BLOCK_M=block_m, PREFILL_BLOCK_N=block_n,
-                                PREFILL_NUM_WARPS=warps, PREFILL_NUM_STAGES=stages):
-                fn = lambda: triton_attn.paged_attention(**prefill)  # noqa: E731
-                fn()
-                ms = triton.testing.do_bench(fn, rep=200, return_mode="median")
-        except Exception as e:  # a shape this GPU cannot compile (shared memory): named, not fatal
-            out["prefill_ms_by_tile"][name] = f"failed: {type(e).__name__}"
-            continue
-        out["prefill_ms_by_tile"][name] = round(L * ms, 3)
-        out["prefill_tflops_by_tile"][name] = round(flops / (ms * 1e-3) / 1e12, 1)
+        ms = _time_tile(triton_attn, prefill, triton.testing.do_bench, PREFILL_BLOCK_M=block_m,
+                        PREFILL_BLOCK_N=block_n, PREFILL_NUM_WARPS=warps, PREFILL_NUM_STAGES=stages)
+        out["prefill_ms_by_tile"][name] = ms if isinstance(ms, str) else round(L * ms, 3)
+        if not isinstance(ms, str):
+            out["prefill_tflops_by_tile"][name] = round(flops / (ms * 1e-3) / 1e12, 1)
     return out
 
 
