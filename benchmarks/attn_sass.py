@@ -28,15 +28,20 @@ from nanovllm.kernels import triton_attn as ta  # noqa: E402
 KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
 QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16
 ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kr", "stride_kh",
-           "stride_vb", "stride_vr", "stride_vh")  # strides Triton sees as multiples of 16 in the engine
+           "stride_vb", "stride_vr", "stride_vh", "stride_vd")  # strides Triton sees as multiples of 16 in the engine
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
-    fn = ta._unified_attention_kernel
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
+                   maxnreg: int | None = None, groups: int = 1):
+    """The decode tile: the unified kernel's, or with groups > 1 `_grouped_decode_kernel`'s."""
+    fn = ta._grouped_decode_kernel if groups > 1 else ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
-                  HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
-                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8)
+                  GROUPS=groups, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
+                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor)
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
+    # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
+    consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
                     k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
                     seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -45,7 +50,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
 def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
@@ -78,21 +83,28 @@ def first_loop(sass: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma list of kv_cache_dtype values")
-    ap.add_argument("--tiles", default="", help="comma list of BLOCK_N/warps/stages (default: the engine's)")
+    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2",
+                    help="comma list of kv_cache_dtype values; a :vkm suffix compiles for a key-minor V cache")
+    ap.add_argument("--tiles", default="",
+                    help="comma list of BLOCK_N/warps/stages[/key groups] (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (ptxas spills past it)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     args = ap.parse_args()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for kv in args.kv.split(","):
-        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES) if kv != "auto"
-                  else (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES))
+    for spec in args.kv.split(","):
+        kv, _, layout = spec.partition(":")
+        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES, ta.DECODE_FP8_KEY_GROUPS)
+                  if kv != "auto" else
+                  (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES, ta.DECODE_KEY_GROUPS))
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
-        for block_n, warps, stages in tiles:
-            name = f"decode_{kv}_{block_n}_{warps}_{stages}"
-            kernel = compile_decode(kv, block_n, warps, stages, args.arch)
+        for block_n, warps, stages, *groups in tiles:
+            groups = groups[0] if groups else 1
+            name = (f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
+                    f"{f'_g{groups}' if groups > 1 else ''}")
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout == "vkm", args.maxnreg, groups)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

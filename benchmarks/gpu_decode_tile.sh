@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The decode tile's variants on one GPU, in one call (a fresh machine: every kernel compiles in
+# it): native kernel tests, B1's decode attention replayed per variant and cache dtype, then B1
+# itself (bench_offline.py, the first timed call) with the variant that replayed fastest for each
+# dtype (the engine's defaults where those won). One log per step under $OUT. Steps (STEPS):
+#   tests       the attention/store kernels natively against the torch reference
+#   attn_fp8 / attn_bf16   bench_b1_attention.py over FP8_VARIANTS / BF16_VARIANTS
+#   b1_fp8 / b1_bf16       B1 with the fastest replayed variant of this call (--attn-constants)
+#
+#   bash benchmarks/gpu_decode_tile.sh
+#   STEPS="tests b1_fp8 b1_bf16" bash benchmarks/gpu_decode_tile.sh     # the engine's defaults
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_decode_tile}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests attn_fp8 attn_bf16 b1_fp8 b1_bf16"}
+EVERY=${EVERY:-128}
+FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8g4,f8g4vkm,f8g4n64,f8g4n64s2_r168,f8vkm64_r128,f8vkm128w8_r128,f8n64_r128}
+BF16_VARIANTS=${BF16_VARIANTS:-base,g4n128s2,g4n64s2,g4n64s2_r168,n64s2_r128}
+
+run_step() {  # name, time limit (s), command...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit} s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+best() {  # attn log, kv_cache_dtype: the constants of the fastest replayed variant ({} if none ran)
+  [ -f "$OUT/$1.log" ] && python3 benchmarks/bench_b1_attention.py --best "$OUT/$1.log" \
+    --kv-cache-dtype "$2" 2>/dev/null || echo "{}"
+}
+
+for step in $STEPS; do
+  case $step in
+    tests) run_step tests 80 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_decode_tiles.py \
+           tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py ;;
+    attn_fp8) run_step attn_fp8 110 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
+              --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" ;;
+    attn_bf16) run_step attn_bf16 60 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
+               --kv-cache-dtype auto --variants "$BF16_VARIANTS" ;;
+    b1_fp8) run_step b1_fp8 75 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --profile \
+            --attn-constants "$(best attn_fp8 fp8)" ;;
+    b1_bf16) run_step b1_bf16 75 python3 benchmarks/bench_offline.py --profile \
+             --attn-constants "$(best attn_bf16 auto)" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
