@@ -368,11 +368,18 @@ def _unified_attention_kernel(
 def _load_grouped_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                           stride_b, stride_r, stride_h, stride_d,
                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """`_load_kv_tile` for positions [GROUPS, SUB_N].  # [GROUPS, SUB_N, HEAD_DIM_PAD]"""
+                          PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAGE_MASK: tl.constexpr = False):
+    """`_load_kv_tile` for positions [GROUPS, SUB_N].  # [GROUPS, SUB_N, HEAD_DIM_PAD]
+
+    PAGE_MASK (a cache with its block rows adjacent, key-minor V): a MASKED tile reads whole
+    cache blocks that hold a context position, so the copies stay as wide as a block's row
+    run; rows past the context then hold anything and the caller must not use them."""
     dims = tl.arange(0, HEAD_DIM_PAD)[None, None, :]
     if MASKED:
-        pos_ok = positions < ctx_len
+        if PAGE_MASK:
+            pos_ok = (positions // PAGE_SIZE) * PAGE_SIZE < ctx_len
+        else:
+            pos_ok = positions < ctx_len
         block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
     else:
         block = tl.load(block_table_ptr + positions // PAGE_SIZE)
@@ -419,11 +426,13 @@ def _attend_grouped_kv_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head,
     p = tl.exp2(s - m_new[:, :, None])
     v = _load_grouped_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                               stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
-                              PAGE_SIZE, MASKED)                                # [GROUPS, SUB_N, D]
+                              PAGE_SIZE, MASKED, V_KEY_MINOR)                   # [GROUPS, SUB_N, D]
     l_i = l_i * alpha + tl.sum(p, 2)
     v = v.to(q.dtype)
     if KV_FP8 and not V_KEY_MINOR:  # as in _attend_kv_tile: convert before rearranging
         v = v + (ctx_len < 0).to(q.dtype)
+    if MASKED and V_KEY_MINOR:  # rows past the context read whole blocks: 0 * NaN would be NaN
+        v = tl.where(positions[:, :, None] < ctx_len, v, 0.0)
     acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
