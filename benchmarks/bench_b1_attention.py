@@ -82,6 +82,18 @@ VARIANTS = {
                             DECODE_FP8_MAXNREG=168), "tokens_major"),
     "f8g4vkm": (dict(DECODE_FP8_KEY_GROUPS=4, FP8_V_KEY_MINOR=True), "tokens_major"),
     "g4n128s2": (dict(DECODE_KEY_GROUPS=4), "tokens_major"),
+    # 5 stages: K/V double-buffered (the pipeliner's async waits leave the next tile in flight), which
+    # fits 3 programs a multiprocessor only without V's fp16 staging (key-minor V)
+    "f8vkm64s5": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8vkm64s5_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5,
+                            DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8vkm128s5_r168": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=168),
+                        "tokens_major"),
+    "f8hm": (dict(FP8_HEADS_MAJOR=True), "tokens_major"),  # through new_kv_cache, so B1 can run it
+    "f8hm_vkm64s5": (dict(FP8_HEADS_MAJOR=True, FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64,
+                          DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8hm_vkm64s5_r128": (dict(FP8_HEADS_MAJOR=True, FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64,
+                               DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=128), "tokens_major"),
     "g4n64s2": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64), "tokens_major"),
     "g4n64s2_r168": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64, DECODE_MAXNREG=168), "tokens_major"),
     "n64s3_r128": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=3, DECODE_MAXNREG=128), "tokens_major"),

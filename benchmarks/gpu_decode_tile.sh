@@ -18,6 +18,8 @@ STEPS=${STEPS:-"tests attn_fp8 attn_bf16 b1_fp8 b1_bf16"}
 EVERY=${EVERY:-128}
 FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8g4,f8g4vkm,f8g4n64,f8g4n64s2_r168,f8vkm64_r128,f8vkm128w8_r128,f8n64_r128}
 BF16_VARIANTS=${BF16_VARIANTS:-base,g4n128s2,g4n64s2,g4n64s2_r168,n64s2_r128}
+TESTS=${TESTS:-"tests/test_decode_tiles.py tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py"}
+PROFILE=${PROFILE---profile}  # PROFILE= for B1 without its per-kernel profile run
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2 start=$SECONDS
@@ -34,15 +36,14 @@ best() {  # attn log, kv_cache_dtype: the constants of the fastest replayed vari
 
 for step in $STEPS; do
   case $step in
-    tests) run_step tests 80 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_decode_tiles.py \
-           tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py ;;
+    tests) run_step tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -n 8 $TESTS ;;
     attn_fp8) run_step attn_fp8 110 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
               --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" ;;
     attn_bf16) run_step attn_bf16 60 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
                --kv-cache-dtype auto --variants "$BF16_VARIANTS" ;;
-    b1_fp8) run_step b1_fp8 75 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --profile \
+    b1_fp8) run_step b1_fp8 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 $PROFILE \
             --attn-constants "$(best attn_fp8 fp8)" ;;
-    b1_bf16) run_step b1_bf16 75 python3 benchmarks/bench_offline.py --profile \
+    b1_bf16) run_step b1_bf16 90 python3 benchmarks/bench_offline.py $PROFILE \
              --attn-constants "$(best attn_bf16 auto)" ;;
     *) echo "unknown step $step" ;;
   esac

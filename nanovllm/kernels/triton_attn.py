@@ -100,6 +100,10 @@ DECODE_FP8_KEY_GROUPS = 1
 # feeds V to the tensor cores from the fp8 bytes as it does K (8-bit values along the product's
 # reduction axis are contiguous), with no fp16 copy of the tile through shared memory.
 FP8_V_KEY_MINOR = False
+# An fp8 cache laid out heads-major ([blocks, kv_heads, block_size, head_dim] in memory): one
+# block of one KV head is block_size * head_dim contiguous bytes (2 KiB), not rows of 128 bytes
+# a KV head's width apart.
+FP8_HEADS_MAJOR = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -552,16 +556,22 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim].
 
-    K is contiguous. V is too, except for an fp8 cache with FP8_V_KEY_MINOR: then its memory
-    is [num_blocks, num_kv_heads, head_dim, block_size] (a block's keys adjacent for each
-    dimension) and the tensor a permuted view of it, so code that indexes the cache by
-    (block, row, head) reads the same values in either layout; the kernels take strides."""
-    k_cache = torch.empty(shape, dtype=dtype, device=device)
-    if not (FP8_V_KEY_MINOR and kv_quant.is_fp8(dtype)):
-        return k_cache, torch.empty(shape, dtype=dtype, device=device)
+    Both are contiguous, except for an fp8 cache with FP8_HEADS_MAJOR (memory [num_blocks,
+    num_kv_heads, block_size, head_dim]) or FP8_V_KEY_MINOR (V's memory [num_blocks,
+    num_kv_heads, head_dim, block_size]: a block's keys adjacent for each dimension). The
+    tensors are then permuted views of that memory, so code that indexes the cache by (block,
+    row, head) reads the same values in every layout; the kernels take strides."""
+    fp8 = kv_quant.is_fp8(dtype)
     num_blocks, block_size, num_kv_heads, head_dim = shape
-    v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
-    return k_cache, v_cache.permute(0, 3, 1, 2)
+    if fp8 and FP8_HEADS_MAJOR:
+        k_cache = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype,
+                              device=device).permute(0, 2, 1, 3)
+    else:
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+    if fp8 and FP8_V_KEY_MINOR:
+        v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
+        return k_cache, v_cache.permute(0, 3, 1, 2)
+    return k_cache, torch.empty_like(k_cache)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
