@@ -5,7 +5,10 @@
 # dtype (the engine's defaults where those won). One log per step under $OUT. Steps (STEPS):
 #   tests       the attention/store kernels natively against the torch reference
 #   attn_fp8 / attn_bf16   bench_b1_attention.py over FP8_VARIANTS / BF16_VARIANTS
-#   b1_fp8 / b1_bf16       B1 with the fastest replayed variant of this call (--attn-constants)
+#   b1_fp8 / b1_bf16       B1 with the fastest replayed variant of this call (--attn-constants);
+#               skipped where the engine's default replayed fastest, unless B1_DEFAULTS=1
+#   ncu         Nsight Compute over one warm decode launch of a B1-sized batch per cache dtype
+#               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput
 #
 #   bash benchmarks/gpu_decode_tile.sh
 #   STEPS="tests b1_fp8 b1_bf16" bash benchmarks/gpu_decode_tile.sh     # the engine's defaults
@@ -29,6 +32,25 @@ run_step() {  # name, time limit (s), command...
   echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
 }
 
+b1() {  # name, attn log, kv_cache_dtype, bench_offline arguments...
+  local name=$1 constants
+  constants=$(best "$2" "$3")
+  shift 3
+  if [ "$constants" = "{}" ] && [ -f "$OUT/$2.log" ] && [ -z "$B1_DEFAULTS" ]; then
+    echo "=== $name: skipped (the engine's default replayed fastest)"
+  else
+    run_step "$name" 90 python3 benchmarks/bench_offline.py "$@" $PROFILE --attn-constants "$constants"
+  fi
+}
+
+ncu_step() {  # kv_cache_dtype
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  run_step "ncu_$1" 60 "$ncu" --clock-control none -k regex:_unified_attention_kernel --launch-skip 1 \
+    --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/ncu_decode.py --kv-cache-dtype "$1"
+}
+
 best() {  # attn log, kv_cache_dtype: the constants of the fastest replayed variant ({} if none ran)
   [ -f "$OUT/$1.log" ] && python3 benchmarks/bench_b1_attention.py --best "$OUT/$1.log" \
     --kv-cache-dtype "$2" 2>/dev/null || echo "{}"
@@ -41,10 +63,9 @@ for step in $STEPS; do
               --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" ;;
     attn_bf16) run_step attn_bf16 60 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
                --kv-cache-dtype auto --variants "$BF16_VARIANTS" ;;
-    b1_fp8) run_step b1_fp8 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 $PROFILE \
-            --attn-constants "$(best attn_fp8 fp8)" ;;
-    b1_bf16) run_step b1_bf16 90 python3 benchmarks/bench_offline.py $PROFILE \
-             --attn-constants "$(best attn_bf16 auto)" ;;
+    b1_fp8) b1 b1_fp8 attn_fp8 fp8 --kv-cache-dtype fp8 ;;
+    b1_bf16) b1 b1_bf16 attn_bf16 auto ;;
+    ncu) ncu_step fp8; ncu_step auto ;;
     *) echo "unknown step $step" ;;
   esac
 done
