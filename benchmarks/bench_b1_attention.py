@@ -87,6 +87,8 @@ VARIANTS = {
     "f8vkm64s5": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
     "f8vkm64s5_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5,
                             DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8vkm64s7_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=7,
+                            DECODE_FP8_MAXNREG=128), "tokens_major"),  # 3 K/V buffers
     "f8vkm128s5_r168": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=168),
                         "tokens_major"),
     "f8hm": (dict(FP8_HEADS_MAJOR=True), "tokens_major"),  # through new_kv_cache, so B1 can run it
