@@ -113,7 +113,8 @@ def main() -> None:
             print(f"{name}: shared {kernel.metadata.shared} B, registers {regs.group(1) if regs else '?'}, "
                   f"spill stores {spills} (local loads/stores in the main loop {loop_spills}), "
                   f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, "
-                  f"main loop {sum(loop.values())} instructions")
+                  f"main loop {sum(loop.values())} instructions, "
+                  f"{sum(n for op, n in loop.items() if op.startswith('BAR'))} barriers")
             print("   " + " ".join(f"{op}:{n}" for op, n in loop.most_common(16)))
 
 

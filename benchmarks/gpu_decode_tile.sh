@@ -23,6 +23,8 @@ FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8g4,f8g4vkm,f8g4n64,f8g4n64s
 BF16_VARIANTS=${BF16_VARIANTS:-base,g4n128s2,g4n64s2,g4n64s2_r168,n64s2_r128}
 TESTS=${TESTS:-"tests/test_decode_tiles.py tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py"}
 PROFILE=${PROFILE---profile}  # PROFILE= for B1 without its per-kernel profile run
+# shared-memory wavefronts and bank conflicts, instructions, and each stall reason (cycles per instruction)
+NCU_METRICS=${NCU_METRICS:-l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed.sum,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio}
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2 start=$SECONDS
@@ -43,12 +45,13 @@ b1() {  # name, attn log, kv_cache_dtype, bench_offline arguments...
   fi
 }
 
-ncu_step() {  # kv_cache_dtype
+ncu_step() {  # kv_cache_dtype (NCU_CONSTANTS: triton_attn constants for ncu_decode.py, e.g. another tile)
   local ncu
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   run_step "ncu_$1" 60 "$ncu" --clock-control none -k regex:_unified_attention_kernel --launch-skip 1 \
     --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/ncu_decode.py --kv-cache-dtype "$1"
+    --section SchedulerStats --section MemoryWorkloadAnalysis --metrics "$NCU_METRICS" \
+    python3 benchmarks/ncu_decode.py --kv-cache-dtype "$1" --attn-constants "${NCU_CONSTANTS:-{\}}"
 }
 
 best() {  # attn log, kv_cache_dtype: the constants of the fastest replayed variant ({} if none ran)

@@ -44,12 +44,23 @@ Nothing in `paged_attention` reads device memory from the host: the grid comes f
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
 
+Decode-tile options, all off by default (each replayed slower than the default tile over
+B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
+kept as module constants so benchmarks can set them: `DECODE_*_KEY_GROUPS` (one group of keys
+per warp, each with its own online softmax: `_grouped_decode_kernel`, no cross-warp exchange
+inside its loop), `DECODE_*_MAXNREG` (a register cap), and for an fp8 cache `new_kv_cache`'s
+layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's block rows adjacent per dimension, so
+the decode tile feeds V to the tensor cores from the fp8 bytes as it does K); the kernels read
+every layout through strides (V's dimension stride included, `V_KEY_MINOR` from it).
+
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
 DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
-kernel 1, the store kernel 1. The block-table width and the split workspace strides vary at
-run time and are `do_not_specialize`.
+kernel 1, the store kernel 1; with key groups on, the decode tiles are the grouped kernel's
+(split or not) instead. The cache layout is fixed when the cache is allocated, so the strides
+Triton specializes on (a unit stride) are the same for every launch. The block-table width
+and the split workspace strides vary at run time and are `do_not_specialize`.
 """
 import torch
 import triton
