@@ -1,5 +1,6 @@
 """The paged-attention kernel compiled for a GPU without one: shared memory, registers and
-the machine code of its main loop, per cache dtype and tile.
+the machine code of its main loop (its barriers, and the shared-memory bytes it moves a tile,
+summed from its load/store instructions), per cache dtype and tile.
 
 `triton.compile` runs the whole NVIDIA pipeline (TTGIR, PTX, ptxas) on any machine with
 Triton's bundled CUDA tools, so a kernel change can be read before device time is spent on
@@ -10,6 +11,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
 
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
+    python benchmarks/attn_sass.py --kv fp8:vkm --tiles 128/4/3/4 --maxnreg 168   # key-minor V, 4 key groups
 """
 import argparse
 import collections
@@ -70,6 +72,24 @@ def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
     return sass, usage
 
 
+# bytes one thread moves through shared memory per instruction (cp.async: global -> shared)
+SHARED_READ_BYTES = {"LDS.U8": 1, "LDS.U16": 2, "LDS": 4, "LDS.64": 8, "LDS.128": 16,
+                     "LDSM.16.M88.2": 8, "LDSM.16.MT88.2": 8, "LDSM.16.M88.4": 16, "LDSM.16.MT88.4": 16}
+SHARED_WRITE_BYTES = {"STS.U8": 1, "STS.U16": 2, "STS": 4, "STS.64": 8, "STS.128": 16, "STSM.16.M88.2": 8,
+                      "STSM.16.M88.4": 16, "LDGSTS.E": 4, "LDGSTS.E.64": 8, "LDGSTS.E.128": 16,
+                      "LDGSTS.E.BYPASS.128": 16}
+
+
+def shared_traffic(loop: collections.Counter, warps: int) -> tuple[float, float, list[str]]:
+    """KB read from and written to shared memory by one program in one pass of the loop (all its
+    threads), and the shared-memory opcodes the tables above do not know."""
+    def kb(table: dict) -> float:
+        return sum(n * table.get(op, 0) for op, n in loop.items()) * 32 * warps / 1024
+    known = SHARED_READ_BYTES.keys() | SHARED_WRITE_BYTES.keys()
+    unknown = [op for op in loop if op.startswith(("LDS", "STS", "LDGSTS")) and op not in known]
+    return kb(SHARED_READ_BYTES), kb(SHARED_WRITE_BYTES), unknown
+
+
 def first_loop(sass: str) -> list[str]:
     """Opcodes (with modifiers) from the target of the first backward branch to that branch."""
     rows = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
@@ -115,6 +135,9 @@ def main() -> None:
                   f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, "
                   f"main loop {sum(loop.values())} instructions, "
                   f"{sum(n for op, n in loop.items() if op.startswith('BAR'))} barriers")
+            read, written, unknown = shared_traffic(loop, warps)
+            print(f"   shared memory per tile: {read:.1f} KB read, {written:.1f} KB written"
+                  + (f" (not counted: {', '.join(unknown)})" if unknown else ""))
             print("   " + " ".join(f"{op}:{n}" for op, n in loop.most_common(16)))
 
 
