@@ -127,9 +127,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
             else:
                 tl.store(k_cache_ptr + row + dims, k1, mask=mask)
                 tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
-                tl.store(v_cache_ptr + v_cache_row + dims * stride_vcd, tl.load(v_row + dims, mask=mask), mask=mask)
-                tl.store(v_cache_ptr + v_cache_row + (HALF + dims) * stride_vcd, tl.load(v_row + HALF + dims, mask=mask),
-                         mask=mask)
+                v_dst = v_cache_ptr + v_cache_row
+                tl.store(v_dst + dims * stride_vcd, tl.load(v_row + dims, mask=mask), mask=mask)
+                tl.store(v_dst + (HALF + dims) * stride_vcd, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
