@@ -1,5 +1,6 @@
 """The paged-attention kernel compiled for a GPU without one: shared memory, registers and
-the machine code of its main loop, per cache dtype and tile.
+the machine code of its main loop (its barriers, and the shared-memory bytes it moves a tile,
+summed from its load/store instructions), per cache dtype and tile.
 
 `triton.compile` runs the whole NVIDIA pipeline (TTGIR, PTX, ptxas) on any machine with
 Triton's bundled CUDA tools, so a kernel change can be read before device time is spent on
@@ -10,6 +11,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
 
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
+    python benchmarks/attn_sass.py --kv fp8:vkm --tiles 128/4/3/4 --maxnreg 168   # key-minor V, 4 key groups
 """
 import argparse
 import collections
@@ -28,15 +30,20 @@ from nanovllm.kernels import triton_attn as ta  # noqa: E402
 KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
 QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16
 ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kr", "stride_kh",
-           "stride_vb", "stride_vr", "stride_vh")  # strides Triton sees as multiples of 16 in the engine
+           "stride_vb", "stride_vr", "stride_vh", "stride_vd")  # strides Triton sees as multiples of 16 in the engine
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
-    fn = ta._unified_attention_kernel
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
+                   maxnreg: int | None = None, groups: int = 1):
+    """The decode tile: the unified kernel's, or with groups > 1 `_grouped_decode_kernel`'s."""
+    fn = ta._grouped_decode_kernel if groups > 1 else ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
-                  HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
-                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8)
+                  GROUPS=groups, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
+                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor)
+    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
+    # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
+    consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
                     k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
                     seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
@@ -45,7 +52,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int):
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
 def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
@@ -65,6 +72,24 @@ def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
     return sass, usage
 
 
+# bytes one thread moves through shared memory per instruction (cp.async: global -> shared)
+SHARED_READ_BYTES = {"LDS.U8": 1, "LDS.U16": 2, "LDS": 4, "LDS.64": 8, "LDS.128": 16,
+                     "LDSM.16.M88.2": 8, "LDSM.16.MT88.2": 8, "LDSM.16.M88.4": 16, "LDSM.16.MT88.4": 16}
+SHARED_WRITE_BYTES = {"STS.U8": 1, "STS.U16": 2, "STS": 4, "STS.64": 8, "STS.128": 16, "STSM.16.M88.2": 8,
+                      "STSM.16.M88.4": 16, "LDGSTS.E": 4, "LDGSTS.E.64": 8, "LDGSTS.E.128": 16,
+                      "LDGSTS.E.BYPASS.128": 16}
+
+
+def shared_traffic(loop: collections.Counter, warps: int) -> tuple[float, float, list[str]]:
+    """KB read from and written to shared memory by one program in one pass of the loop (all its
+    threads), and the shared-memory opcodes the tables above do not know."""
+    def kb(table: dict) -> float:
+        return sum(n * table.get(op, 0) for op, n in loop.items()) * 32 * warps / 1024
+    known = SHARED_READ_BYTES.keys() | SHARED_WRITE_BYTES.keys()
+    unknown = [op for op in loop if op.startswith(("LDS", "STS", "LDGSTS")) and op not in known]
+    return kb(SHARED_READ_BYTES), kb(SHARED_WRITE_BYTES), unknown
+
+
 def first_loop(sass: str) -> list[str]:
     """Opcodes (with modifiers) from the target of the first backward branch to that branch."""
     rows = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
@@ -78,21 +103,28 @@ def first_loop(sass: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2", help="comma list of kv_cache_dtype values")
-    ap.add_argument("--tiles", default="", help="comma list of BLOCK_N/warps/stages (default: the engine's)")
+    ap.add_argument("--kv", default="auto,fp8,fp8_e5m2",
+                    help="comma list of kv_cache_dtype values; a :vkm suffix compiles for a key-minor V cache")
+    ap.add_argument("--tiles", default="",
+                    help="comma list of BLOCK_N/warps/stages[/key groups] (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (ptxas spills past it)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     args = ap.parse_args()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     print(f"triton {triton.__version__}, sm_{args.arch}")
-    for kv in args.kv.split(","):
-        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES) if kv != "auto"
-                  else (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES))
+    for spec in args.kv.split(","):
+        kv, _, layout = spec.partition(":")
+        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES, ta.DECODE_FP8_KEY_GROUPS)
+                  if kv != "auto" else
+                  (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES, ta.DECODE_KEY_GROUPS))
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
-        for block_n, warps, stages in tiles:
-            name = f"decode_{kv}_{block_n}_{warps}_{stages}"
-            kernel = compile_decode(kv, block_n, warps, stages, args.arch)
+        for block_n, warps, stages, *groups in tiles:
+            groups = groups[0] if groups else 1
+            name = (f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
+                    f"{f'_g{groups}' if groups > 1 else ''}")
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout == "vkm", args.maxnreg, groups)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)
@@ -101,7 +133,11 @@ def main() -> None:
             print(f"{name}: shared {kernel.metadata.shared} B, registers {regs.group(1) if regs else '?'}, "
                   f"spill stores {spills} (local loads/stores in the main loop {loop_spills}), "
                   f"ld.shared.b8 {kernel.asm['ptx'].count('ld.shared.b8')}, "
-                  f"main loop {sum(loop.values())} instructions")
+                  f"main loop {sum(loop.values())} instructions, "
+                  f"{sum(n for op, n in loop.items() if op.startswith('BAR'))} barriers")
+            read, written, unknown = shared_traffic(loop, warps)
+            print(f"   shared memory per tile: {read:.1f} KB read, {written:.1f} KB written"
+                  + (f" (not counted: {', '.join(unknown)})" if unknown else ""))
             print("   " + " ".join(f"{op}:{n}" for op, n in loop.most_common(16)))
 
 

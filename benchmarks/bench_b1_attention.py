@@ -9,7 +9,8 @@ layers of sampled steps as CUDA graphs (captured with max_seqlen_k = max_model_l
 the engine captures). Each sampled step stands for the steps around it; the weighted sum
 predicts B1's attention time, to set against the K/V bytes at copy bandwidth.
 
-Variants (`--variants`) change the decode tiles, the split-KV policy, the cache layout
+Variants (`--variants`) change the decode tiles (shape, register cap, key groups), the split-KV
+policy, the V layout of an fp8 cache (FP8_V_KEY_MINOR), the cache layout
 (`heads_major`: [blocks, kv_heads, block_size, head_dim] in memory, so one block of one
 head is 4 KiB contiguous; the kernels take strides, so the same code reads it through a
 permuted view) or the order of the batch (`lpt*`: longest contexts first).
@@ -61,6 +62,43 @@ VARIANTS = {
     "f8n32w2s8": (dict(DECODE_FP8_BLOCK_N=32, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=8), "tokens_major"),
     "f8n128w8": (dict(DECODE_FP8_NUM_WARPS=8), "tokens_major"),  # 122 registers: 16 warps a multiprocessor
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
+    # V key-minor within a block (FP8_V_KEY_MINOR; fp8 only), registers capped (*_MAXNREG: 168 fits
+    # 3 programs of 4 warps in a multiprocessor, 128 fits 4)
+    "f8vkm": (dict(FP8_V_KEY_MINOR=True), "tokens_major"),
+    "f8vkm_r168": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_MAXNREG=168), "tokens_major"),
+    "f8vkm64": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64), "tokens_major"),
+    "f8vkm64_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8vkm64s2_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
+                            DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8vkm64_r96": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_MAXNREG=96), "tokens_major"),
+    "f8vkm128w8_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_NUM_WARPS=8, DECODE_FP8_NUM_STAGES=2,
+                             DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8n64_r128": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "n64s2_r128": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=2, DECODE_MAXNREG=128), "tokens_major"),
+    # key groups (*_KEY_GROUPS: one per warp, each with its own softmax; _grouped_decode_kernel)
+    "f8g4": (dict(DECODE_FP8_KEY_GROUPS=4), "tokens_major"),
+    "f8g4n64": (dict(DECODE_FP8_KEY_GROUPS=4, DECODE_FP8_BLOCK_N=64), "tokens_major"),
+    "f8g4n64s2_r168": (dict(DECODE_FP8_KEY_GROUPS=4, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
+                            DECODE_FP8_MAXNREG=168), "tokens_major"),
+    "f8g4vkm": (dict(DECODE_FP8_KEY_GROUPS=4, FP8_V_KEY_MINOR=True), "tokens_major"),
+    "g4n128s2": (dict(DECODE_KEY_GROUPS=4), "tokens_major"),
+    # 5 stages: K/V double-buffered (the pipeliner's async waits leave the next tile in flight), which
+    # fits 3 programs a multiprocessor only without V's fp16 staging (key-minor V)
+    "f8vkm64s5": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8vkm64s5_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5,
+                            DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "f8vkm64s7_r128": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=7,
+                            DECODE_FP8_MAXNREG=128), "tokens_major"),  # 3 K/V buffers
+    "f8vkm128s5_r168": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=168),
+                        "tokens_major"),
+    "f8hm": (dict(FP8_HEADS_MAJOR=True), "tokens_major"),  # through new_kv_cache, so B1 can run it
+    "f8hm_vkm64s5": (dict(FP8_HEADS_MAJOR=True, FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64,
+                          DECODE_FP8_NUM_STAGES=5), "tokens_major"),
+    "f8hm_vkm64s5_r128": (dict(FP8_HEADS_MAJOR=True, FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64,
+                               DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=128), "tokens_major"),
+    "g4n64s2": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64), "tokens_major"),
+    "g4n64s2_r168": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64, DECODE_MAXNREG=168), "tokens_major"),
+    "n64s3_r128": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=3, DECODE_MAXNREG=128), "tokens_major"),
     "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
     "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),
     "split8_256": (dict(TARGET_PROGRAMS_PER_SM=8), "tokens_major"),
@@ -99,8 +137,11 @@ def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], 
     return samples, top
 
 
-def kv_caches(num_blocks: int, layout: str, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_caches(num_blocks: int, layout: str, dtype: torch.dtype,
+              ta: ModuleType = engine_kernels) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if layout == "tokens_major" and hasattr(ta, "new_kv_cache"):  # the engine's own layout (FP8_V_KEY_MINOR)
+        return [ta.new_kv_cache(shape, dtype, torch.device("cuda")) for _ in range(NUM_LAYERS)]
     caches = []
     for _ in range(NUM_LAYERS):
         pair = []
@@ -154,7 +195,7 @@ def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: to
     for k, v in constants.items():
         setattr(ta, k, v)
     try:
-        caches = kv_caches(num_blocks, layout, dtype)
+        caches = kv_caches(num_blocks, layout, dtype, ta)
         total_s, total_bytes, by_batch = 0.0, 0, {}
         for weight, tables, ctx in samples:
             if order:  # the batch's sequences longest first
@@ -220,7 +261,11 @@ def main():
         assert num_blocks >= top, f"the cache must hold the {top} blocks B1's tables reach"
         for kernel_name, ta in kernels.items():
             for name in args.variants.split(","):
-                result = run_variant(name, samples, num_blocks, bandwidth, dtype, ta)
+                try:
+                    result = run_variant(name, samples, num_blocks, bandwidth, dtype, ta)
+                except Exception as e:  # a variant that fails to compile or launch: the others still run
+                    print(f"variant {name} ({kernel_name}, {dtype}) failed: {type(e).__name__}: {e}", flush=True)
+                    continue
                 print(json.dumps({"kernels": kernel_name, "cache_blocks": num_blocks, **result}), flush=True)
 
 

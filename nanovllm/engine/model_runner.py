@@ -169,10 +169,15 @@ class ModelRunner:
         return num_blocks
 
     def _attach_kv_cache(self, num_blocks: int) -> None:
+        # a backend may lay its cache out its own way (triton_attn: V key-minor for fp8)
+        new_kv_cache = getattr(Attention.backend, "new_kv_cache", None)
         for attn in self._attention_layers():
             shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            if new_kv_cache is not None:
+                attn.k_cache, attn.v_cache = new_kv_cache(shape, self.kv_cache_dtype, self.device)
+            else:
+                attn.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+                attn.v_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:

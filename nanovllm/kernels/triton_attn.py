@@ -44,12 +44,23 @@ Nothing in `paged_attention` reads device memory from the host: the grid comes f
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
 
+Decode-tile options, all off by default (each replayed slower than the default tile over
+B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
+kept as module constants so benchmarks can set them: `DECODE_*_KEY_GROUPS` (one group of keys
+per warp, each with its own online softmax: `_grouped_decode_kernel`, no cross-warp exchange
+inside its loop), `DECODE_*_MAXNREG` (a register cap), and for an fp8 cache `new_kv_cache`'s
+layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's block rows adjacent per dimension, so
+the decode tile feeds V to the tensor cores from the fp8 bytes as it does K); the kernels read
+every layout through strides (V's dimension stride included, `V_KEY_MINOR` from it).
+
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
 DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
-kernel 1, the store kernel 1. The block-table width and the split workspace strides vary at
-run time and are `do_not_specialize`.
+kernel 1, the store kernel 1; with key groups on, the decode tiles are the grouped kernel's
+(split or not) instead. The cache layout is fixed when the cache is allocated, so the strides
+Triton specializes on (a unit stride) are the same for every launch. The block-table width
+and the split workspace strides vary at run time and are `do_not_specialize`.
 """
 import torch
 import triton
@@ -87,6 +98,23 @@ DECODE_NUM_STAGES = 2
 DECODE_FP8_BLOCK_N = 128
 DECODE_FP8_NUM_WARPS = 4
 DECODE_FP8_NUM_STAGES = 3
+# Registers per thread the decode tiles may use (None: ptxas's choice); below it ptxas spills.
+# With 128-thread programs, 168 registers fit 3 programs in a multiprocessor, 128 fit 4.
+DECODE_MAXNREG = None
+DECODE_FP8_MAXNREG = None
+# Decode tiles cut into this many groups of keys, one per warp, each with its own online
+# softmax (`_grouped_decode_kernel`); 1: the unified kernel's decode tile, whose warps share
+# each row's softmax (cross-warp reductions and an exchange of P through shared memory per tile).
+DECODE_KEY_GROUPS = 1
+DECODE_FP8_KEY_GROUPS = 1
+# An fp8 cache's V laid out key-minor within each block (`new_kv_cache`): the decode tile then
+# feeds V to the tensor cores from the fp8 bytes as it does K (8-bit values along the product's
+# reduction axis are contiguous), with no fp16 copy of the tile through shared memory.
+FP8_V_KEY_MINOR = False
+# An fp8 cache laid out heads-major ([blocks, kv_heads, block_size, head_dim] in memory): one
+# block of one KV head is block_size * head_dim contiguous bytes (2 KiB), not rows of 128 bytes
+# a KV head's width apart.
+FP8_HEADS_MAJOR = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -123,7 +151,7 @@ def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
                           k_scale_ptr, v_scale_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_kcb, stride_kcr, stride_kch,
-                          stride_vcb, stride_vcr, stride_vch,
+                          stride_vcb, stride_vcr, stride_vch, stride_vcd,
                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
                           PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -148,8 +176,8 @@ def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
                          v_cache_ptr.dtype.element_ty, FP8_MAX)
     tl.store(k_cache_ptr + block * stride_kcb + row * stride_kcr + heads * stride_kch + dims,
              k, mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcr + heads * stride_vch + dims,
-             v, mask=mask)
+    tl.store(v_cache_ptr + block * stride_vcb + row * stride_vcr + heads * stride_vch
+             + dims * stride_vcd, v, mask=mask)
 
 
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -165,14 +193,15 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    _check_last_dim_contiguous(key=key, value=value, k_cache=k_cache)
+    _check_v_layout(v_cache)
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         k_scale if kv_fp8 else slot_mapping, v_scale if kv_fp8 else slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
@@ -191,7 +220,7 @@ def _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
 
 @triton.jit
 def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                  stride_b, stride_r, stride_h,
+                  stride_b, stride_r, stride_h, stride_d,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
     """Gather the cache rows of `positions` through the block table.  # [BLOCK_N, HEAD_DIM_PAD]
@@ -208,7 +237,7 @@ def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
         block = tl.load(block_table_ptr + positions // PAGE_SIZE)
     row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
                 + kv_head * stride_h)                 # [BLOCK_N]
-    ptrs = cache_ptr + row_offs[:, None] + dims[None, :]
+    ptrs = cache_ptr + row_offs[:, None] + dims[None, :] * stride_d
     if HEAD_DIM == HEAD_DIM_PAD:
         if MASKED:
             tile = tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
@@ -225,15 +254,15 @@ def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
 @triton.jit
 def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
-                    stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
+                    stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_kb, stride_kr, stride_kh, HEAD_DIM, HEAD_DIM_PAD,
+                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -243,11 +272,11 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])                                       # [BLOCK_M, BLOCK_N]
     v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_vb, stride_vr, stride_vh, HEAD_DIM, HEAD_DIM_PAD,
+                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
     v = v.to(q.dtype)
-    if KV_FP8 and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode) take V from registers:
+    if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
         # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
         # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
         v = v + (ctx_len < 0).to(q.dtype)
@@ -274,13 +303,13 @@ def _unified_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr,
         cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
+        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
         QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        FP16_PRODUCTS: tl.constexpr):
+        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -326,14 +355,14 @@ def _unified_attention_kernel(
         acc, m_i, l_i = _attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            False, DOT_PRECISION, KV_FP8)
+            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+            False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
     for tile in range(masked_begin, tile_end):
         acc, m_i, l_i = _attend_kv_tile(
             acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            True, DOT_PRECISION, KV_FP8)
+            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+            True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
 
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
@@ -347,6 +376,157 @@ def _unified_attention_kernel(
         _store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
                     stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _load_grouped_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                          stride_b, stride_r, stride_h, stride_d,
+                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                          PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAGE_MASK: tl.constexpr = False):
+    """`_load_kv_tile` for positions [GROUPS, SUB_N].  # [GROUPS, SUB_N, HEAD_DIM_PAD]
+
+    PAGE_MASK (a cache with its block rows adjacent, key-minor V): a MASKED tile reads whole
+    cache blocks that hold a context position, so the copies stay as wide as a block's row
+    run; rows past the context then hold anything and the caller must not use them."""
+    dims = tl.arange(0, HEAD_DIM_PAD)[None, None, :]
+    if MASKED:
+        if PAGE_MASK:
+            pos_ok = (positions // PAGE_SIZE) * PAGE_SIZE < ctx_len
+        else:
+            pos_ok = positions < ctx_len
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
+    else:
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
+    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
+                + kv_head * stride_h)                 # [GROUPS, SUB_N]
+    ptrs = cache_ptr + row_offs[:, :, None] + dims * stride_d
+    if HEAD_DIM == HEAD_DIM_PAD:
+        if MASKED:
+            tile = tl.load(ptrs, mask=pos_ok[:, :, None], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        mask = dims < HEAD_DIM
+        if MASKED:
+            mask = mask & pos_ok[:, :, None]
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _attend_grouped_kv_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head,
+                            k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+                            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                            BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+    """One online-softmax step of each key group over its SUB_N keys of KV tile `tile`:
+    q [GROUPS, BLOCK_M, D] (the same rows in every group), acc [GROUPS, BLOCK_M, D],
+    m_i and l_i [GROUPS, BLOCK_M]. Groups keep their own softmax state, so nothing is
+    exchanged between groups (warps) inside the loop."""
+    SUB_N: tl.constexpr = BLOCK_N // GROUPS
+    positions = (tile * BLOCK_N + tl.arange(0, GROUPS)[:, None] * SUB_N
+                 + tl.arange(0, SUB_N)[None, :])                                # [GROUPS, SUB_N]
+    k = _load_grouped_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                              stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                              PAGE_SIZE, MASKED)                                # [GROUPS, SUB_N, D]
+    k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION) * scale_log2  # [GROUPS, M, SUB_N]
+    if MASKED:  # decode: the query sees every context position
+        s = tl.where(positions[:, None, :] < ctx_len, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))                                       # [GROUPS, M]
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, :, None])
+    v = _load_grouped_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                              stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                              PAGE_SIZE, MASKED, V_KEY_MINOR)                   # [GROUPS, SUB_N, D]
+    l_i = l_i * alpha + tl.sum(p, 2)
+    v = v.to(q.dtype)
+    if KV_FP8 and not V_KEY_MINOR:  # as in _attend_kv_tile: convert before rearranging
+        v = v + (ctx_len < 0).to(q.dtype)
+    if MASKED and V_KEY_MINOR:  # rows past the context read whole blocks: 0 * NaN would be NaN
+        v = tl.where(positions[:, :, None] < ctx_len, v, 0.0)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
+def _grouped_decode_kernel(
+        out_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr,
+        cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
+        stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
+        QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+    """Decode-only batches (one query per sequence). Grid: (1, KV heads x splits, sequences).
+
+    Rows are the query heads of one KV head (padded to BLOCK_M). Each KV tile of BLOCK_N keys
+    is cut into GROUPS groups of keys, one per warp, each with its own online softmax; the
+    groups are merged by log-sum-exp once, after the loop."""
+    seq = tl.program_id(2)
+    kv_head = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:  # a row without a query
+        return
+    ctx_len = tl.load(seq_lens_k_ptr + seq)
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * QPK + rows                                   # [BLOCK_M] query head of each row
+    row_ok = rows < QPK
+    tokens = q_start + rows * 0
+    q = _load_q_tile(q_ptr, q_start, rows * 0, head, row_ok, stride_qt, stride_qh,
+                     HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
+    if FP16_PRODUCTS:
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    q = tl.broadcast_to(q[None, :, :], (GROUPS, BLOCK_M, HEAD_DIM_PAD))
+
+    num_tiles = tl.cdiv(ctx_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    full_end = tl.minimum(ctx_len // BLOCK_N, tile_end)
+    masked_begin = tl.maximum(tile_begin, full_end)
+
+    acc = tl.zeros([GROUPS, BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUPS, BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
+    l_i = tl.zeros([GROUPS, BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_begin, full_end):
+        acc, m_i, l_i = _attend_grouped_kv_tile(
+            acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, GROUPS, HEAD_DIM, HEAD_DIM_PAD,
+            PAGE_SIZE, False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+    for tile in range(masked_begin, tile_end):
+        acc, m_i, l_i = _attend_grouped_kv_tile(
+            acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, GROUPS, HEAD_DIM, HEAD_DIM_PAD,
+            PAGE_SIZE, True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+
+    # the groups merged: each weighted by its mass relative to the overall maximum
+    m = tl.max(m_i, 0)                                            # [BLOCK_M]
+    weight = tl.exp2(m_i - m[None, :])                            # [GROUPS, BLOCK_M]
+    l = tl.sum(l_i * weight, 0)
+    acc = tl.sum(acc * weight[:, :, None], 0)                     # [BLOCK_M, HEAD_DIM_PAD]
+    has_keys = l > 0.0
+    o = acc / tl.where(has_keys, l, 1.0)[:, None]
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
+    if not IS_SPLIT:
+        _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_PAD)
+    else:
+        _store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
+                    stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
@@ -383,6 +563,28 @@ def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
 
 
 # ------------------------------------------------------------------------ host side
+def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Both are contiguous, except for an fp8 cache with FP8_HEADS_MAJOR (memory [num_blocks,
+    num_kv_heads, block_size, head_dim]) or FP8_V_KEY_MINOR (V's memory [num_blocks,
+    num_kv_heads, head_dim, block_size]: a block's keys adjacent for each dimension). The
+    tensors are then permuted views of that memory, so code that indexes the cache by (block,
+    row, head) reads the same values in every layout; the kernels take strides."""
+    fp8 = kv_quant.is_fp8(dtype)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    if fp8 and FP8_HEADS_MAJOR:
+        k_cache = torch.empty((num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype,
+                              device=device).permute(0, 2, 1, 3)
+    else:
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+    if fp8 and FP8_V_KEY_MINOR:
+        v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
+        return k_cache, v_cache.permute(0, 3, 1, 2)
+    return k_cache, torch.empty_like(k_cache)
+
+
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Workspace allocation (one place, so tests can poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -404,6 +606,17 @@ def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
                              f"got strides {tuple(t.stride())}")
 
 
+def _check_v_layout(v_cache: torch.Tensor) -> bool:
+    """Whether V is laid out key-minor within a block (`v_key_minor_layout`); else its last
+    dimension must be contiguous."""
+    if v_cache.stride(-1) == 1:
+        return False
+    if v_cache.stride(1) != 1:
+        raise ValueError("v_cache must be contiguous in its last dimension or key-minor within a "
+                         f"block (stride 1 over block rows), got strides {tuple(v_cache.stride())}")
+    return True
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_NOMINAL_SMS
@@ -419,18 +632,25 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
 
 
-def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False) -> dict:
+def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True) -> dict:
     """Tile shape and launch settings: decode tiles when no sequence has > 1 query."""
     if max_seqlen_q == 1:
         block_m = max(MIN_DOT_DIM, qpk_pad)
         if kv_fp8:
-            return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_FP8_BLOCK_N,
-                        num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES)
-        return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
-                    num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
+            cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_FP8_BLOCK_N,
+                       num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES,
+                       GROUPS=DECODE_FP8_KEY_GROUPS)
+            maxnreg = DECODE_FP8_MAXNREG
+        else:
+            cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
+                       num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, GROUPS=DECODE_KEY_GROUPS)
+            maxnreg = DECODE_MAXNREG
+        if maxnreg is not None and on_gpu:  # a compile option; Triton's interpreter takes none
+            cfg["maxnreg"] = maxnreg
+        return cfg
     block_m = max(PREFILL_BLOCK_M, qpk_pad)
     return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, GROUPS=1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -464,7 +684,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
                          f"num_kv_heads ({num_kv_heads})")
-    _check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_last_dim_contiguous(q=q, k_cache=k_cache)
+    v_key_minor = _check_v_layout(v_cache)
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
@@ -473,7 +694,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seqlen_q = num_tokens - num_seqs + 1
     qpk = num_heads // num_kv_heads
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
-    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8)
+    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda")
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
@@ -481,18 +702,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
-    _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
-        out, part_out, part_lse, q, k_cache, v_cache,
-        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
-        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, **cfg)
+    args = (out, part_out, part_lse, q, k_cache, v_cache,
+            cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+            k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
+    common = dict(QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
+                  IS_SPLIT=num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  KV_FP8=kv_fp8, FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor)
+    groups = cfg.pop("GROUPS")
+    if groups > 1:  # decode tiles only (_tile_config)
+        del cfg["BLOCK_Q"]
+        _grouped_decode_kernel[(1, num_kv_heads * num_splits, num_seqs)](*args, GROUPS=groups, **common, **cfg)
+    else:
+        _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
+            *args, QPK_PAD=triton.next_power_of_2(qpk), **common, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fused_ops import KVStore
-from nanovllm.kernels.triton_attn import _check_scales, fp8_max, quantize_fp8
+from nanovllm.kernels.triton_attn import _check_scales, _check_v_layout, fp8_max, quantize_fp8
 
 
 @triton.jit
@@ -77,22 +77,24 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
 
 
 @triton.jit
-def _store_fp8_rows(row_ptr, x1, x2, scale_ptrs, mask, HALF: tl.constexpr, FP8_MAX: tl.constexpr):
+def _store_fp8_rows(row_ptr, x1, x2, scale_ptrs, mask, stride_d, HALF: tl.constexpr, FP8_MAX: tl.constexpr):
     """Store the two halves [BLOCK_KH, HALF] of a token's heads at `row_ptr` (+ head offsets),
     quantized with each head's scale (`scale_ptrs`: [BLOCK_KH, 1]). A function of its own:
     Triton's compiler refuses a variable whose type changes inside the caller's run-time
     `if` (the interpreter does not check this)."""
-    dims = tl.arange(0, HALF)[None, :]
+    dims = tl.arange(0, HALF)[None, :] * stride_d
     scale = tl.load(scale_ptrs, mask=mask, other=1.0)
     tl.store(row_ptr + dims, quantize_fp8(x1, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
-    tl.store(row_ptr + HALF + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+    tl.store(row_ptr + HALF * stride_d + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX),
+             mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
                          v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                         stride_cb, stride_cr, stride_ch, num_q_heads, num_k_heads, eps,
+                         stride_cb, stride_cr, stride_ch, stride_vcb, stride_vcr, stride_vch, stride_vcd,
+                         num_q_heads, num_k_heads, eps,
                          HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                          BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                          STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -115,17 +117,19 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
             heads = tl.arange(0, BLOCK_KH)[:, None]
             mask = heads < num_k_heads
             row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cr + heads * stride_ch
+            v_cache_row = (slot // PAGE_SIZE) * stride_vcb + (slot % PAGE_SIZE) * stride_vcr + heads * stride_vch
             v_row = v_ptr + token * stride_vt + heads * stride_vh
-            if KV_FP8:
-                _store_fp8_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, HALF, FP8_MAX)
-                _store_fp8_rows(v_cache_ptr + row, tl.load(v_row + dims, mask=mask),
+            if KV_FP8:  # V may be key-minor within its block (triton_attn.new_kv_cache): stride_vcd
+                _store_fp8_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, 1, HALF, FP8_MAX)
+                _store_fp8_rows(v_cache_ptr + v_cache_row, tl.load(v_row + dims, mask=mask),
                                 tl.load(v_row + HALF + dims, mask=mask), v_scale_ptr + heads, mask,
-                                HALF, FP8_MAX)
+                                stride_vcd, HALF, FP8_MAX)
             else:
                 tl.store(k_cache_ptr + row + dims, k1, mask=mask)
                 tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
-                tl.store(v_cache_ptr + row + dims, tl.load(v_row + dims, mask=mask), mask=mask)
-                tl.store(v_cache_ptr + row + HALF + dims, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
+                v_dst = v_cache_ptr + v_cache_row
+                tl.store(v_dst + dims * stride_vcd, tl.load(v_row + dims, mask=mask), mask=mask)
+                tl.store(v_dst + (HALF + dims) * stride_vcd, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -145,18 +149,20 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     if kv_store is not None:
         v, k_cache, v_cache = kv_store.value, kv_store.k_cache, kv_store.v_cache
         assert v.shape == k.shape and v.stride(2) == 1
-        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-        assert k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1
+        assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == k.shape[1:] and k_cache.stride(3) == 1
+        _check_v_layout(v_cache)
         slots, page_size = kv_store.slot_mapping, k_cache.shape[1]
         kv_fp8 = _check_scales(k_cache, kv_store.k_scale, kv_store.v_scale)
+        v_cache_strides = v_cache.stride()
     else:  # unused pointers and strides
         v, k_cache, v_cache, slots, page_size, kv_fp8 = k, k, k, positions, 1, False
+        v_cache_strides = (*k.stride(), 1)
     k_scale, v_scale = (kv_store.k_scale, kv_store.v_scale) if kv_fp8 else (positions, positions)
     _qk_norm_rope_kernel[(num_tokens,)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
         cos_sin_cache, positions, v, k_cache, v_cache, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache_strides,
         num_heads, k.shape[1], eps, HALF=head_dim // 2, HAS_NORM=q_weight is not None,
         BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         STORE_KV=kv_store is not None, PAGE_SIZE=page_size, KV_FP8=kv_fp8, FP8_MAX=fp8_max(k_cache))

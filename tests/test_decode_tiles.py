@@ -1,0 +1,181 @@
+"""The decode tile's variants against the torch reference: key groups (DECODE_*_KEY_GROUPS,
+`_grouped_decode_kernel`), other tile shapes, and fp8 caches laid out heads-major or with V
+key-minor within each block (`triton_attn.new_kv_cache`), which must read and write the same
+values as the contiguous layout.
+
+- `paged_attention` equals the torch reference over the contiguous cache with the same bytes:
+  decodes with and without split-KV, a padded head size and 3 query heads per KV head (rows
+  masked), and for a key-minor V also prefill chunks over a cached prefix.
+- `store_kvcache` and the fused RoPE store write the same bytes into a heads-major K and a
+  key-minor V as into contiguous ones (the same kernel both times, so the interpreter's fp8
+  rounding is no matter).
+- `new_kv_cache` gives those layouts (FP8_HEADS_MAJOR, FP8_V_KEY_MINOR) only for fp8 caches.
+
+Natively on a GPU (bf16 queries too); without one, in a child under `TRITON_INTERPRET=1`.
+"""
+import secrets
+
+import pytest
+import torch
+
+from nanovllm.kernels import fused_ops, kv_quant, torch_ref
+from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+CHILD_TIMEOUT_S = 120
+Q_DTYPES = [torch.float16] + ([torch.float32, torch.bfloat16] if HAS_CUDA else [])
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="kernels run in this process")
+def test_decode_tiles_under_triton_interpreter():
+    rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(secrets.randbits(31))
+
+
+# memory order of each layout (dims of [blocks, block_size, heads, dim]) and the permutation back
+LAYOUTS = {"plain": ((0, 1, 2, 3), (0, 1, 2, 3)), "heads_major": ((0, 2, 1, 3), (0, 2, 1, 3)),
+           "key_minor": ((0, 2, 3, 1), (0, 3, 1, 2))}
+
+
+def _relayout(cache: torch.Tensor, layout: str = "key_minor") -> torch.Tensor:
+    """The same values with memory in `layout`'s order (key_minor: [blocks, heads, dim, block_size])."""
+    order, back = LAYOUTS[layout]
+    out = torch.empty([cache.shape[i] for i in order], dtype=cache.dtype, device=cache.device).permute(*back)
+    kv_quant.as_bytes(out).copy_(kv_quant.as_bytes(cache))
+    return out
+
+
+def test_new_kv_cache_is_key_minor_for_fp8_only(monkeypatch):
+    from nanovllm.kernels import triton_attn
+    shape = (3, 16, 2, 8)
+    monkeypatch.setattr(triton_attn, "FP8_V_KEY_MINOR", True)
+    k, v = triton_attn.new_kv_cache(shape, FP8, torch.device("cpu"))
+    assert k.shape == v.shape == shape and k.is_contiguous()
+    assert v.stride() == (16 * 2 * 8, 1, 8 * 16, 16)  # rows of a block adjacent for each dimension
+    k, v = triton_attn.new_kv_cache(shape, torch.bfloat16, torch.device("cpu"))
+    assert v.is_contiguous()
+    monkeypatch.setattr(triton_attn, "FP8_V_KEY_MINOR", False)
+    assert triton_attn.new_kv_cache(shape, FP8, torch.device("cpu"))[1].is_contiguous()
+    monkeypatch.setattr(triton_attn, "FP8_HEADS_MAJOR", True)
+    for cache in triton_attn.new_kv_cache(shape, FP8, torch.device("cpu")):
+        assert cache.shape == shape and cache.stride() == (16 * 2 * 8, 8, 16 * 8, 1)  # a head's block together
+    assert triton_attn.new_kv_cache(shape, torch.bfloat16, torch.device("cpu"))[0].is_contiguous()
+
+
+# (num_cached, q_len) per sequence; heads; kv heads; head_dim; block_size; kwargs
+CASES = {
+    "mixed_gqa2": ([(0, 7), (19, 5), (130, 10), (0, 1), (32, 1)], 4, 2, 32, 16, dict(max_seqlen_q=10)),
+    "decode_split3": ([(0, 1), (69, 1), (149, 1)], 8, 2, 64, 16, dict(max_seqlen_q=1, num_splits=3)),
+    "decode_gqa3_d40": ([(0, 1), (63, 1), (64, 1), (200, 1)], 6, 2, 40, 16, dict(max_seqlen_q=1)),
+}
+# name -> (triton_attn constants, K layout, V layout, cases)
+VARIANTS = {
+    "key_minor": ({}, "plain", "key_minor", ["mixed_gqa2", "decode_split3"]),
+    "heads_major_key_minor": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "heads_major", "key_minor",
+                              ["mixed_gqa2", "decode_gqa3_d40"]),
+    "groups": (dict(DECODE_KEY_GROUPS=4, DECODE_FP8_KEY_GROUPS=4, DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64),
+               "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
+    "groups_key_minor": (dict(DECODE_FP8_KEY_GROUPS=4), "plain", "key_minor", ["decode_gqa3_d40"]),
+}
+PARAMS = [(v, c, cache) for v, (_, _, v_layout, cases) in VARIANTS.items() for c in cases
+          for cache in ([FP8] if v_layout == "key_minor" else [FP8, torch.float16])]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", Q_DTYPES)
+@pytest.mark.parametrize("variant,case,cache_dtype", PARAMS)
+def test_paged_attention_decode_tiles(gen, monkeypatch, variant, case, cache_dtype, dtype):
+    from nanovllm.kernels import triton_attn
+    constants, k_layout, v_layout, _ = VARIANTS[variant]
+    for name, value in constants.items():
+        monkeypatch.setattr(triton_attn, name, value)
+    fp8 = kv_quant.is_fp8(cache_dtype)
+    if not fp8:  # a 16-bit cache holds the queries' dtype
+        dtype = cache_dtype = dtype if dtype != torch.float32 else torch.float16
+    seqs, heads, kv_heads, d, block_size, kwargs = CASES[case]
+    ctx_lens = [c + n for c, n in seqs]
+    per_seq = [-(-n // block_size) for n in ctx_lens]
+    num_blocks = sum(per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(seqs), max(per_seq) + 1), -1, dtype=torch.int32)
+    shape = (num_blocks, block_size, kv_heads, d)
+    # NaN where nothing was written (fp8 0xFF in both formats): an unmasked read shows
+    k_cache = torch.full(shape, 0xFF, dtype=torch.uint8).view(cache_dtype) if fp8 else \
+        torch.full(shape, float("nan"), dtype=cache_dtype)
+    v_cache = k_cache.clone()
+    k_scale, v_scale = [(0.005 + 0.02 * torch.rand(kv_heads, generator=gen)) if fp8 else None for _ in range(2)]
+    for b, (ctx, nb) in enumerate(zip(ctx_lens, per_seq)):
+        blocks = torch.tensor([order.pop() for _ in range(nb)])
+        tables[b, :nb] = blocks
+        k = torch.randn(ctx, kv_heads, d, generator=gen) * (0.02 if fp8 else 0.5)
+        v = torch.randn(ctx, kv_heads, d, generator=gen) * (0.02 if fp8 else 1.0)
+        if not fp8:
+            k, v = k.to(cache_dtype), v.to(cache_dtype)
+        torch_ref.store_kvcache(k, v, k_cache, v_cache, torch_ref.context_slots(blocks, ctx, block_size),
+                                k_scale, v_scale)
+    q_lens = [n for _, n in seqs]
+    batch = dict(cu_seqlens_q=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
+                 seq_lens_k=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=tables)
+    q = torch.randn(sum(q_lens), heads, d, generator=gen)
+    if not fp8:
+        q = q.to(cache_dtype)
+    expected = torch_ref.paged_attention(q, k_cache, v_cache, **batch, scale=d ** -0.5,
+                                         k_scale=k_scale, v_scale=v_scale).float()
+    k_in, v_in = _relayout(k_cache.to(DEVICE), k_layout), _relayout(v_cache.to(DEVICE), v_layout)
+    scales = dict(k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE)) if fp8 else {}
+    got = triton_attn.paged_attention(
+        q.to(dtype=dtype, device=DEVICE), k_in, v_in,
+        **{name: t.to(DEVICE) for name, t in batch.items()}, scale=d ** -0.5, **scales, **kwargs).float().cpu()
+    seed = f"seed {gen.initial_seed()}"
+    assert not got.isnan().any(), f"NaN in output (an unmasked read), {seed}"
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"{m}\n{seed}")
+
+
+@needs_kernels
+def test_stores_write_the_same_bytes_in_every_layout(gen):
+    """store_kvcache and the fused RoPE store: K heads-major and V key-minor hold what the
+    contiguous caches hold."""
+    from nanovllm.kernels import triton_attn, triton_ops
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    tokens, heads, kv_heads, d, max_pos, blocks, block_size = 6, 4, 2, 32, 64, 5, 4
+    slots = torch.tensor([3, 17, -1, 0, 19, 8], device=DEVICE)
+    k_scale, v_scale = [(0.005 + 0.02 * torch.rand(kv_heads, generator=gen)).to(DEVICE) for _ in range(2)]
+    shape = (blocks, block_size, kv_heads, d)
+    seed = f"seed {gen.initial_seed()}"
+
+    def caches(cache_dtype):  # (plain K, plain V), (heads-major K, key-minor V), all zero
+        zero = torch.zeros(shape, dtype=cache_dtype, device=DEVICE)
+        return [(zero.clone(), zero.clone()), (_relayout(zero, "heads_major"), _relayout(zero, "key_minor"))]
+
+    def assert_same(pairs):
+        for plain, other in zip(*pairs):
+            assert torch.equal(kv_quant.as_bytes(plain), kv_quant.as_bytes(other).contiguous()), seed
+            assert kv_quant.as_bytes(plain).any(), "nothing was stored"
+
+    for cache_dtype in (FP8, dtype):
+        scales = (k_scale, v_scale) if cache_dtype == FP8 else (None, None)
+        key = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype=dtype, device=DEVICE)
+        value = torch.randn(tokens, kv_heads, d, generator=gen).to(dtype=dtype, device=DEVICE)
+        pairs = caches(cache_dtype)
+        for k_cache, v_cache in pairs:
+            triton_attn.store_kvcache(key, value, k_cache, v_cache, slots, *scales)
+        assert_same(pairs)
+
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype=dtype, device=DEVICE)
+        positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(DEVICE)
+        cos_sin = torch.randn(max_pos, d, generator=gen).to(DEVICE)
+        pairs = caches(cache_dtype)
+        for k_cache, v_cache in pairs:
+            q, k, v = [t.view(tokens, -1, d) for t in
+                       qkv.clone().split([heads * d, kv_heads * d, kv_heads * d], -1)]
+            triton_ops.qk_norm_rope_(q, k, positions, cos_sin, None, None, 1e-6,
+                                     fused_ops.KVStore(v, k_cache, v_cache, slots, *scales))
+        assert_same(pairs)
