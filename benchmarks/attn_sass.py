@@ -11,7 +11,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
 
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
-    python benchmarks/attn_sass.py --kv fp8:vkm --tiles 128/4/3/4 --maxnreg 168   # key-minor V, 4 key groups
+    python benchmarks/attn_sass.py --kv fp8:vkm --tiles 64/4/3 --maxnreg 128   # key-minor V, capped registers
 """
 import argparse
 import collections
@@ -34,14 +34,13 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
-                   maxnreg: int | None = None, groups: int = 1):
-    """The decode tile: the unified kernel's, or with groups > 1 `_grouped_decode_kernel`'s."""
-    fn = ta._grouped_decode_kernel if groups > 1 else ta._unified_attention_kernel
+                   maxnreg: int | None = None):
+    """The unified kernel's decode tile."""
+    fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
-                  GROUPS=groups, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
+                  HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor)
-    consts = {name: value for name, value in consts.items() if name in fn.arg_names}
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
@@ -106,7 +105,7 @@ def main() -> None:
     ap.add_argument("--kv", default="auto,fp8,fp8_e5m2",
                     help="comma list of kv_cache_dtype values; a :vkm suffix compiles for a key-minor V cache")
     ap.add_argument("--tiles", default="",
-                    help="comma list of BLOCK_N/warps/stages[/key groups] (default: the engine's)")
+                    help="comma list of BLOCK_N/warps/stages (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (ptxas spills past it)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
@@ -116,15 +115,12 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_{args.arch}")
     for spec in args.kv.split(","):
         kv, _, layout = spec.partition(":")
-        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES, ta.DECODE_FP8_KEY_GROUPS)
-                  if kv != "auto" else
-                  (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES, ta.DECODE_KEY_GROUPS))
+        engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES)
+                  if kv != "auto" else (ta.DECODE_BLOCK_N, ta.DECODE_NUM_WARPS, ta.DECODE_NUM_STAGES))
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
-        for block_n, warps, stages, *groups in tiles:
-            groups = groups[0] if groups else 1
-            name = (f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
-                    f"{f'_g{groups}' if groups > 1 else ''}")
-            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout == "vkm", args.maxnreg, groups)
+        for block_n, warps, stages in tiles:
+            name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout == "vkm", args.maxnreg)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

@@ -9,7 +9,7 @@ layers of sampled steps as CUDA graphs (captured with max_seqlen_k = max_model_l
 the engine captures). Each sampled step stands for the steps around it; the weighted sum
 predicts B1's attention time, to set against the K/V bytes at copy bandwidth.
 
-Variants (`--variants`) change the decode tiles (shape, register cap, key groups), the split-KV
+Variants (`--variants`) change the decode tiles (shape, register cap, cache layout), the split-KV
 policy, the V layout of an fp8 cache (FP8_V_KEY_MINOR), the cache layout
 (`heads_major`: [blocks, kv_heads, block_size, head_dim] in memory, so one block of one
 head is 4 KiB contiguous; the kernels take strides, so the same code reads it through a
@@ -75,13 +75,6 @@ VARIANTS = {
                              DECODE_FP8_MAXNREG=128), "tokens_major"),
     "f8n64_r128": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_MAXNREG=128), "tokens_major"),
     "n64s2_r128": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=2, DECODE_MAXNREG=128), "tokens_major"),
-    # key groups (*_KEY_GROUPS: one per warp, each with its own softmax; _grouped_decode_kernel)
-    "f8g4": (dict(DECODE_FP8_KEY_GROUPS=4), "tokens_major"),
-    "f8g4n64": (dict(DECODE_FP8_KEY_GROUPS=4, DECODE_FP8_BLOCK_N=64), "tokens_major"),
-    "f8g4n64s2_r168": (dict(DECODE_FP8_KEY_GROUPS=4, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
-                            DECODE_FP8_MAXNREG=168), "tokens_major"),
-    "f8g4vkm": (dict(DECODE_FP8_KEY_GROUPS=4, FP8_V_KEY_MINOR=True), "tokens_major"),
-    "g4n128s2": (dict(DECODE_KEY_GROUPS=4), "tokens_major"),
     # 5 stages: K/V double-buffered (the pipeliner's async waits leave the next tile in flight), which
     # fits 3 programs a multiprocessor only without V's fp16 staging (key-minor V)
     "f8vkm64s5": (dict(FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
@@ -96,8 +89,6 @@ VARIANTS = {
                           DECODE_FP8_NUM_STAGES=5), "tokens_major"),
     "f8hm_vkm64s5_r128": (dict(FP8_HEADS_MAJOR=True, FP8_V_KEY_MINOR=True, DECODE_FP8_BLOCK_N=64,
                                DECODE_FP8_NUM_STAGES=5, DECODE_FP8_MAXNREG=128), "tokens_major"),
-    "g4n64s2": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64), "tokens_major"),
-    "g4n64s2_r168": (dict(DECODE_KEY_GROUPS=4, DECODE_BLOCK_N=64, DECODE_MAXNREG=168), "tokens_major"),
     "n64s3_r128": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=3, DECODE_MAXNREG=128), "tokens_major"),
     "split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major"),
     "split8": (dict(TARGET_PROGRAMS_PER_SM=8, MIN_KEYS_PER_SPLIT=512), "tokens_major"),

@@ -19,8 +19,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-"tests attn_fp8 attn_bf16 b1_fp8 b1_bf16"}
 EVERY=${EVERY:-128}
-FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8g4,f8g4vkm,f8g4n64,f8g4n64s2_r168,f8vkm64_r128,f8vkm128w8_r128,f8n64_r128}
-BF16_VARIANTS=${BF16_VARIANTS:-base,g4n128s2,g4n64s2,g4n64s2_r168,n64s2_r128}
+FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8vkm64_r128,f8vkm128w8_r128,f8n64_r128}
+BF16_VARIANTS=${BF16_VARIANTS:-base,n64s2_r128,n64s3_r128}
 TESTS=${TESTS:-"tests/test_decode_tiles.py tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py"}
 PROFILE=${PROFILE---profile}  # PROFILE= for B1 without its per-kernel profile run
 # shared-memory wavefronts and bank conflicts, instructions, and each stall reason (cycles per instruction)

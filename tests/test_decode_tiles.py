@@ -1,6 +1,5 @@
-"""The decode tile's variants against the torch reference: key groups (DECODE_*_KEY_GROUPS,
-`_grouped_decode_kernel`), other tile shapes, and fp8 caches laid out heads-major or with V
-key-minor within each block (`triton_attn.new_kv_cache`), which must read and write the same
+"""The decode tile's variants against the torch reference: other tile shapes, and fp8 caches
+laid out heads-major or with V key-minor within each block (`triton_attn.new_kv_cache`), which must read and write the same
 values as the contiguous layout.
 
 - `paged_attention` equals the torch reference over the contiguous cache with the same bytes:
@@ -80,9 +79,7 @@ VARIANTS = {
     "key_minor": ({}, "plain", "key_minor", ["mixed_gqa2", "decode_split3"]),
     "heads_major_key_minor": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "heads_major", "key_minor",
                               ["mixed_gqa2", "decode_gqa3_d40"]),
-    "groups": (dict(DECODE_KEY_GROUPS=4, DECODE_FP8_KEY_GROUPS=4, DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64),
-               "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
-    "groups_key_minor": (dict(DECODE_FP8_KEY_GROUPS=4), "plain", "key_minor", ["decode_gqa3_d40"]),
+    "tile64": (dict(DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
 }
 PARAMS = [(v, c, cache) for v, (_, _, v_layout, cases) in VARIANTS.items() for c in cases
           for cache in ([FP8] if v_layout == "key_minor" else [FP8, torch.float16])]

@@ -46,10 +46,8 @@ CUDA graph. Head sizes that are not a power of two are padded and masked.
 
 Decode-tile options, all off by default (each replayed slower than the default tile over
 B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
-kept as module constants so benchmarks can set them: `DECODE_*_KEY_GROUPS` (one group of keys
-per warp, each with its own online softmax: `_grouped_decode_kernel`, no cross-warp exchange
-inside its loop), `DECODE_*_MAXNREG` (a register cap), and for an fp8 cache `new_kv_cache`'s
-layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's block rows adjacent per dimension, so
+kept as module constants so benchmarks can set them: `DECODE_*_MAXNREG` (a register cap),
+and for an fp8 cache `new_kv_cache`'s layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's block rows adjacent per dimension, so
 the decode tile feeds V to the tensor cores from the fp8 bytes as it does K); the kernels read
 every layout through strides (V's dimension stride included, `V_KEY_MINOR` from it).
 
@@ -57,8 +55,7 @@ Compiled variants (all met while the engine starts: engine/warmup.py): per model
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
 DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
-kernel 1, the store kernel 1; with key groups on, the decode tiles are the grouped kernel's
-(split or not) instead. The cache layout is fixed when the cache is allocated, so the strides
+kernel 1, the store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
 Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
@@ -102,11 +99,6 @@ DECODE_FP8_NUM_STAGES = 3
 # With 128-thread programs, 168 registers fit 3 programs in a multiprocessor, 128 fit 4.
 DECODE_MAXNREG = None
 DECODE_FP8_MAXNREG = None
-# Decode tiles cut into this many groups of keys, one per warp, each with its own online
-# softmax (`_grouped_decode_kernel`); 1: the unified kernel's decode tile, whose warps share
-# each row's softmax (cross-warp reductions and an exchange of P through shared memory per tile).
-DECODE_KEY_GROUPS = 1
-DECODE_FP8_KEY_GROUPS = 1
 # An fp8 cache's V laid out key-minor within each block (`new_kv_cache`): the decode tile then
 # feeds V to the tensor cores from the fp8 bytes as it does K (8-bit values along the product's
 # reduction axis are contiguous), with no fp16 copy of the tile through shared memory.
@@ -379,157 +371,6 @@ def _unified_attention_kernel(
         tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
-def _load_grouped_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                          stride_b, stride_r, stride_h, stride_d,
-                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PAGE_MASK: tl.constexpr = False):
-    """`_load_kv_tile` for positions [GROUPS, SUB_N].  # [GROUPS, SUB_N, HEAD_DIM_PAD]
-
-    PAGE_MASK (a cache with its block rows adjacent, key-minor V): a MASKED tile reads whole
-    cache blocks that hold a context position, so the copies stay as wide as a block's row
-    run; rows past the context then hold anything and the caller must not use them."""
-    dims = tl.arange(0, HEAD_DIM_PAD)[None, None, :]
-    if MASKED:
-        if PAGE_MASK:
-            pos_ok = (positions // PAGE_SIZE) * PAGE_SIZE < ctx_len
-        else:
-            pos_ok = positions < ctx_len
-        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
-    else:
-        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
-    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
-                + kv_head * stride_h)                 # [GROUPS, SUB_N]
-    ptrs = cache_ptr + row_offs[:, :, None] + dims * stride_d
-    if HEAD_DIM == HEAD_DIM_PAD:
-        if MASKED:
-            tile = tl.load(ptrs, mask=pos_ok[:, :, None], other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    else:
-        mask = dims < HEAD_DIM
-        if MASKED:
-            mask = mask & pos_ok[:, :, None]
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
-def _attend_grouped_kv_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head,
-                            k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
-                            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                            BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                            PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr):
-    """One online-softmax step of each key group over its SUB_N keys of KV tile `tile`:
-    q [GROUPS, BLOCK_M, D] (the same rows in every group), acc [GROUPS, BLOCK_M, D],
-    m_i and l_i [GROUPS, BLOCK_M]. Groups keep their own softmax state, so nothing is
-    exchanged between groups (warps) inside the loop."""
-    SUB_N: tl.constexpr = BLOCK_N // GROUPS
-    positions = (tile * BLOCK_N + tl.arange(0, GROUPS)[:, None] * SUB_N
-                 + tl.arange(0, SUB_N)[None, :])                                # [GROUPS, SUB_N]
-    k = _load_grouped_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                              stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
-                              PAGE_SIZE, MASKED)                                # [GROUPS, SUB_N, D]
-    k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION) * scale_log2  # [GROUPS, M, SUB_N]
-    if MASKED:  # decode: the query sees every context position
-        s = tl.where(positions[:, None, :] < ctx_len, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 2))                                       # [GROUPS, M]
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, :, None])
-    v = _load_grouped_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                              stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
-                              PAGE_SIZE, MASKED, V_KEY_MINOR)                   # [GROUPS, SUB_N, D]
-    l_i = l_i * alpha + tl.sum(p, 2)
-    v = v.to(q.dtype)
-    if KV_FP8 and not V_KEY_MINOR:  # as in _attend_kv_tile: convert before rearranging
-        v = v + (ctx_len < 0).to(q.dtype)
-    if MASKED and V_KEY_MINOR:  # rows past the context read whole blocks: 0 * NaN would be NaN
-        v = tl.where(positions[:, :, None] < ctx_len, v, 0.0)
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
-def _grouped_decode_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr,
-        q_ptr, k_cache_ptr, v_cache_ptr,
-        cu_seqlens_q_ptr, seq_lens_k_ptr, block_tables_ptr, scale_log2, k_scale_ptr, v_scale_ptr,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
-        stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
-        QPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr):
-    """Decode-only batches (one query per sequence). Grid: (1, KV heads x splits, sequences).
-
-    Rows are the query heads of one KV head (padded to BLOCK_M). Each KV tile of BLOCK_N keys
-    is cut into GROUPS groups of keys, one per warp, each with its own online softmax; the
-    groups are merged by log-sum-exp once, after the loop."""
-    seq = tl.program_id(2)
-    kv_head = tl.program_id(1) // num_splits
-    split = tl.program_id(1) % num_splits
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == q_start:  # a row without a query
-        return
-    ctx_len = tl.load(seq_lens_k_ptr + seq)
-    if KV_FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
-    rows = tl.arange(0, BLOCK_M)
-    head = kv_head * QPK + rows                                   # [BLOCK_M] query head of each row
-    row_ok = rows < QPK
-    tokens = q_start + rows * 0
-    q = _load_q_tile(q_ptr, q_start, rows * 0, head, row_ok, stride_qt, stride_qh,
-                     HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
-    if FP16_PRODUCTS:
-        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
-    q = tl.broadcast_to(q[None, :, :], (GROUPS, BLOCK_M, HEAD_DIM_PAD))
-
-    num_tiles = tl.cdiv(ctx_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    full_end = tl.minimum(ctx_len // BLOCK_N, tile_end)
-    masked_begin = tl.maximum(tile_begin, full_end)
-
-    acc = tl.zeros([GROUPS, BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUPS, BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
-    l_i = tl.zeros([GROUPS, BLOCK_M], dtype=tl.float32)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_begin, full_end):
-        acc, m_i, l_i = _attend_grouped_kv_tile(
-            acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, GROUPS, HEAD_DIM, HEAD_DIM_PAD,
-            PAGE_SIZE, False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
-    for tile in range(masked_begin, tile_end):
-        acc, m_i, l_i = _attend_grouped_kv_tile(
-            acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, GROUPS, HEAD_DIM, HEAD_DIM_PAD,
-            PAGE_SIZE, True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
-
-    # the groups merged: each weighted by its mass relative to the overall maximum
-    m = tl.max(m_i, 0)                                            # [BLOCK_M]
-    weight = tl.exp2(m_i - m[None, :])                            # [GROUPS, BLOCK_M]
-    l = tl.sum(l_i * weight, 0)
-    acc = tl.sum(acc * weight[:, :, None], 0)                     # [BLOCK_M, HEAD_DIM_PAD]
-    has_keys = l > 0.0
-    o = acc / tl.where(has_keys, l, 1.0)[:, None]
-    if KV_FP8:
-        o = o * tl.load(v_scale_ptr + kv_head)
-    if not IS_SPLIT:
-        _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_PAD)
-    else:
-        _store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
-                    stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
-
-
 @triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
 def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
                            stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
@@ -638,19 +479,18 @@ def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: 
         block_m = max(MIN_DOT_DIM, qpk_pad)
         if kv_fp8:
             cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_FP8_BLOCK_N,
-                       num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES,
-                       GROUPS=DECODE_FP8_KEY_GROUPS)
+                       num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES)
             maxnreg = DECODE_FP8_MAXNREG
         else:
             cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
-                       num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES, GROUPS=DECODE_KEY_GROUPS)
+                       num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
             maxnreg = DECODE_MAXNREG
         if maxnreg is not None and on_gpu:  # a compile option; Triton's interpreter takes none
             cfg["maxnreg"] = maxnreg
         return cfg
     block_m = max(PREFILL_BLOCK_M, qpk_pad)
     return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES, GROUPS=1)
+                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -712,13 +552,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = dict(QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
                   IS_SPLIT=num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   KV_FP8=kv_fp8, FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor)
-    groups = cfg.pop("GROUPS")
-    if groups > 1:  # decode tiles only (_tile_config)
-        del cfg["BLOCK_Q"]
-        _grouped_decode_kernel[(1, num_kv_heads * num_splits, num_seqs)](*args, GROUPS=groups, **common, **cfg)
-    else:
-        _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
-            *args, QPK_PAD=triton.next_power_of_2(qpk), **common, **cfg)
+    _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
+        *args, QPK_PAD=triton.next_power_of_2(qpk), **common, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
