@@ -133,6 +133,23 @@ def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(en
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_round_rows_run_longest_context_first(engines, monkeypatch):
+    """A round's rows (which its outputs follow) are its sequences longest context first, the
+    order the GPU's attention programs start in; the outputs still reach their own requests
+    (the greedy test above checks them against HF with prompts of 5-33 tokens)."""
+    engine = engines["rounds"].llm_engine
+    launch, rows = engine.model_runner.launch_decode_round, []
+
+    def recording_launch(seqs, num_steps, after=None):
+        decode_round = launch(seqs, num_steps, after=after)
+        rows.append([seq.num_tokens for seq in decode_round.seqs])
+        return decode_round
+    monkeypatch.setattr(engine.model_runner, "launch_decode_round", recording_launch)
+    _run(engines["rounds"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+    assert rows and all(lengths == sorted(lengths, reverse=True) for lengths in rows)
+    assert any(len(set(lengths)) > 1 for lengths in rows)
+
+
 def test_no_round_is_chained_while_requests_are_arriving(engines, monkeypatch):
     """AsyncLLM's hook: with commands queued, the next round waits for the scheduler."""
     engine = engines["async"].llm_engine

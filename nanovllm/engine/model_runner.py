@@ -34,6 +34,11 @@ from nanovllm.utils.parallel import min_over_ranks, tensor_parallel
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30  # 2 GiB when neither a block count nor a budget is given
 
 
+def longest_context_first(seqs: list[Sequence]) -> list[Sequence]:
+    """`seqs` by context length, longest first; equal lengths keep their order."""
+    return sorted(seqs, key=lambda seq: seq.num_tokens, reverse=True)
+
+
 class ModelRunner:
     def __init__(self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int,
                  rank: int = 0):
@@ -238,8 +243,13 @@ class ModelRunner:
         `after`: a launched round whose last step the host has not seen yet; this round
         continues its sequences `seqs` (a subset of them) from their tokens on the device,
         so the device goes on without waiting for the host (async scheduling).
+
+        The round's rows (`DecodeRound.seqs`, which its outputs follow) are `seqs` longest
+        context first: the attention kernel runs one program per (sequence, KV head) in row
+        order and the GPU starts them in that order, so the longest start first and the
+        last wave of programs is short (longest-processing-time-first).
         """
-        return DecodeRound.launch(self, seqs, num_steps, after)
+        return DecodeRound.launch(self, longest_context_first(seqs), num_steps, after)
 
     def _advance_decode(self, token_ids: torch.Tensor, positions: torch.Tensor,
                         context: Context) -> tuple[torch.Tensor, torch.Tensor, Context]:
