@@ -133,21 +133,29 @@ def test_stop_at_the_last_step_of_a_round_drops_its_rows_in_the_chained_round(en
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_round_rows_run_longest_context_first(engines, monkeypatch):
-    """A round's rows (which its outputs follow) are its sequences longest context first, the
-    order the GPU's attention programs start in; the outputs still reach their own requests
-    (the greedy test above checks them against HF with prompts of 5-33 tokens)."""
-    engine = engines["rounds"].llm_engine
-    launch, rows = engine.model_runner.launch_decode_round, []
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_round_rows_run_longest_context_first_over_an_fp8_cache(tiny_model, monkeypatch, kv_cache_dtype):
+    """Over an fp8 cache a round's rows (which its outputs follow) are its sequences longest
+    context first, the order the GPU's attention programs start in; other caches keep the
+    batch order. The outputs reach their own requests either way: the same greedy ids as
+    one-step steps."""
+    path, _ = tiny_model("qwen3")
+    kwargs = dict(dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, max_num_seqs=len(PROMPTS),
+                  kv_cache_dtype=kv_cache_dtype, async_scheduling=False)
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    single = _run(LLM(path, num_scheduler_steps=1, **kwargs), params)
+    llm = LLM(path, num_scheduler_steps=STEPS, **kwargs)
+    launch, rows = llm.llm_engine.model_runner.launch_decode_round, []
 
     def recording_launch(seqs, num_steps, after=None):
         decode_round = launch(seqs, num_steps, after=after)
         rows.append([seq.num_tokens for seq in decode_round.seqs])
         return decode_round
-    monkeypatch.setattr(engine.model_runner, "launch_decode_round", recording_launch)
-    _run(engines["rounds"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
-    assert rows and all(lengths == sorted(lengths, reverse=True) for lengths in rows)
-    assert any(len(set(lengths)) > 1 for lengths in rows)
+    monkeypatch.setattr(llm.llm_engine.model_runner, "launch_decode_round", recording_launch)
+    assert [o.token_ids for o in _run(llm, params)] == [o.token_ids for o in single]
+    assert rows and any(len(set(lengths)) > 1 for lengths in rows)
+    in_order = all(lengths == sorted(lengths, reverse=True) for lengths in rows)
+    assert in_order == (kv_cache_dtype == "fp8")
 
 
 def test_no_round_is_chained_while_requests_are_arriving(engines, monkeypatch):
