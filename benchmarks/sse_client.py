@@ -33,14 +33,15 @@ class SSEConnection:
             raise ValueError(f"an http://host:port URL is needed, got {url!r}")
         return cls(parts.hostname, parts.port or 80)
 
-    async def post(self, path: str, body: dict) -> tuple[int, AsyncIterator[str]]:
-        """Send a JSON POST; returns the status and the response body's lines (read them all
-        before the next request on this connection)."""
+    async def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, AsyncIterator[str]]:
+        """Send a JSON POST (with extra `headers`); returns the status and the response body's
+        lines (read them all before the next request on this connection)."""
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         self._writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                           f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                           f"Content-Type: application/json\r\nAccept: text/event-stream\r\n{extra}"
                            f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         status, headers = await self._read_head()
         return status, self._lines(headers)
