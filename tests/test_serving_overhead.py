@@ -3,6 +3,8 @@
 PromptEncoder (the event loop's prompt encoding, which keeps the GIL) must give HF's ids for
 every text; the uvicorn access log flag must reach uvicorn's config.
 """
+import argparse
+
 import pytest
 
 from nanovllm.entrypoints.openai.prompt_encoder import PromptEncoder
@@ -50,3 +52,12 @@ def test_prompt_encoder_serves_a_tokenizer_without_a_rust_backend():
     assert encoder._backend is None
     assert encoder.encode("one three", add_special_tokens=False) == [3, 5]
     assert encoder.encode("one three") == [3, 5, 0]
+
+
+@pytest.mark.parametrize("flags, access_log", [([], True), (["--disable-uvicorn-access-log"], False)])
+def test_uvicorn_access_log_flag(flags, access_log):
+    pytest.importorskip("uvicorn")
+    from nanovllm.entrypoints.openai.api_server import add_cli_args, uvicorn_config
+    args = add_cli_args(argparse.ArgumentParser()).parse_args(["--port", "0", *flags])
+    config = uvicorn_config(object(), args)
+    assert config.access_log is access_log and config.port == 0 and config.host == "127.0.0.1"
