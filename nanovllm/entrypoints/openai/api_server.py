@@ -198,7 +198,8 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
 
     async def require_api_key(request: Request) -> None:
         state.check_api_key(request)
-    guarded = [Depends(require_api_key)]
+    # without a key nothing is checked, so the routes skip FastAPI's dependency pass
+    guarded = [Depends(require_api_key)] if api_key is not None else []
     _add_generation_routes(app, state, guarded)
     _add_token_routes(app, state, guarded)
     _add_info_routes(app, state, guarded)
