@@ -12,7 +12,9 @@ time) / (tokens - 1)), errors. Reports median and p99 of both, requests/s and
 output tokens/s over the timed run, and prints a final JSON line. With
 --offline-baseline it also runs the same requests through `LLM.generate` in-process
 (after the server has stopped), so the server's overhead can be read off a shared,
-noisy machine as a ratio.
+noisy machine as a ratio. The server's CPU time per output token (all its threads) and the
+baseline's are printed too: steadier than wall time on a shared machine. --simulate-step-ms
+runs both on a simulated device (sim_device.py), which leaves only the host's work.
 
     PYTHONPATH=. python benchmarks/bench_serving.py --concurrency 16 --num-prompts 64 --max-tokens 64
 """
@@ -29,7 +31,8 @@ import sys
 import threading
 import time
 
-import httpx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sse_client import SSEConnection  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
@@ -48,7 +51,10 @@ QUESTIONS = [
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", *([args.model] if args.model else []),
+    server = ["-m", "nanovllm.entrypoints.openai.api_server"]
+    if args.simulate_step_ms is not None:   # the real server and engine on a simulated device (sim_device.py)
+        server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--step-ms", str(args.simulate_step_ms), "--"]
+    cmd = [sys.executable, *server, *([args.model] if args.model else []),
            "--port", "0", "--log-stats-interval", "10", *args.server_args.split()]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -71,47 +77,110 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
-async def one_request(http: httpx.AsyncClient, question: str, max_tokens: int) -> dict:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "stream": True,
+def request_body(question: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.7, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    token_times, usage = [], None
-    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+
+
+class Timing:
+    """One request's chunk times and usage, from its SSE lines."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.token_times: list[float] = []
+        self.usage: dict | None = None
+        self.error: str | None = None
+
+    def line(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            self.error = chunk["error"]["message"]
+        elif chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            self.token_times.append(time.perf_counter())
+
+    def result(self) -> dict:
+        if self.error is not None:
+            return {"error": self.error}
+        tokens = self.usage["completion_tokens"] if self.usage else len(self.token_times)
+        if not self.token_times:
+            return {"error": "no tokens"}
+        tpot = (self.token_times[-1] - self.token_times[0]) / (tokens - 1) if tokens > 1 else None
+        return {"ttft": self.token_times[0] - self.start, "tpot": tpot, "tokens": tokens}
+
+
+async def one_request_httpx(http, question: str, max_tokens: int) -> dict:
+    timing = Timing()
+    async with http.stream("POST", "/v1/chat/completions", json=request_body(question, max_tokens)) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                return {"error": chunk["error"]["message"]}
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                token_times.append(time.perf_counter())
-    tokens = usage["completion_tokens"] if usage else len(token_times)
-    if not token_times:
-        return {"error": "no tokens"}
-    tpot = (token_times[-1] - token_times[0]) / (tokens - 1) if tokens > 1 else None
-    return {"ttft": token_times[0] - start, "tpot": tpot, "tokens": tokens}
+            timing.line(line)
+    return timing.result()
 
 
-async def run_clients(url: str, concurrency: int, num_prompts: int, max_tokens: int) -> tuple[list[dict], float]:
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=REQUEST_TIMEOUT_S) as http:
-        await one_request(http, "Hello!", 4)   # warm-up: first-call costs stay out of the figures
-        counter = iter(range(num_prompts))
-        results: list[dict] = []
+async def one_request_stdlib(conn: SSEConnection, question: str, max_tokens: int) -> dict:
+    timing = Timing()
+    status, lines = await conn.post("/v1/chat/completions", request_body(question, max_tokens))
+    body = [line async for line in lines] if status != 200 else None
+    if body is not None:
+        return {"error": f"HTTP {status}: {chr(10).join(body)[:200]!r}"}
+    async for line in lines:
+        timing.line(line)
+    return timing.result()
 
-        async def client():
-            for i in counter:
-                try:
-                    results.append(await one_request(http, QUESTIONS[i % len(QUESTIONS)], max_tokens))
-                except httpx.HTTPError as e:
-                    results.append({"error": repr(e)})
+
+async def run_clients(url: str, args) -> tuple[list[dict], float]:
+    """--concurrency clients, each on its own keep-alive connection, sending requests back to back."""
+    results: list[dict] = []
+    counter = iter(range(args.num_prompts))
+    if args.client == "httpx":
+        import httpx
+        http = httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=args.concurrency + 2),
+                                 timeout=REQUEST_TIMEOUT_S)
+        send, errors, conns = (lambda _, q, n: one_request_httpx(http, q, n)), httpx.HTTPError, [None] * args.concurrency
+    else:
+        send, errors = one_request_stdlib, (OSError, asyncio.IncompleteReadError, ValueError)
+        conns = [SSEConnection.of_url(url) for _ in range(args.concurrency)]
+
+    async def client(conn):
+        for i in counter:
+            try:
+                results.append(await asyncio.wait_for(send(conn, QUESTIONS[i % len(QUESTIONS)], args.max_tokens),
+                                                      REQUEST_TIMEOUT_S))
+            except (errors, asyncio.TimeoutError) as e:
+                results.append({"error": repr(e)})
+                if conn is not None:
+                    await conn.close()
+    try:
+        await send(conns[0], "Hello!", 4)   # warm-up: first-call costs stay out of the figures
         start = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(conn) for conn in conns))
         return results, time.perf_counter() - start
+    finally:
+        if args.client == "httpx":
+            await http.aclose()
+        for conn in conns:
+            if conn is not None:
+                await conn.close()
+
+
+def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float, float | None]:
+    """The clients' results, the timed run's seconds and the server's CPU seconds in it (None:
+    not started here). The CPU time counts the warm-up request too."""
+    cpu_start = process_cpu_s(server_pid) if server_pid else None
+    results, elapsed = asyncio.run(run_clients(url, args))
+    return results, elapsed, (process_cpu_s(server_pid) - cpu_start) if server_pid else None
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -120,13 +189,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(results: list[dict], elapsed: float, args) -> dict:
+def summarize(results: list[dict], elapsed: float, server_cpu_s: float | None, args) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
-    return {"bench": "B3", "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+    return {"bench": "B3", "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -134,13 +203,19 @@ def summarize(results: list[dict], elapsed: float, args) -> dict:
             "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
             "tpot_median_ms": round(statistics.median(tpot) * 1e3, 2) if tpot else None,
             "tpot_p99_ms": round(percentile(tpot, 99) * 1e3, 2) if tpot else None,
-            "first_errors": errors[:3]}
+            "server_cpu_ms_per_token": round(server_cpu_s * 1e3 / out_tokens, 4) if server_cpu_s and out_tokens
+            else None, "first_errors": errors[:3]}
 
 
-def offline_tokens_per_s(args) -> float:
+def offline_tokens_per_s(args) -> tuple[float, float]:
     """The same requests through `LLM.generate` in this process, `--concurrency` at a time: the
-    engine's own speed on this machine now, to read the server's figures against."""
+    engine's own speed on this machine now, to read the server's figures against. Returns
+    output tokens/s and this process's CPU ms per output token."""
     from nanovllm import LLM, SamplingParams
+    if args.simulate_step_ms is not None:
+        sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+        import sim_device
+        sim_device.install(args.simulate_step_ms)
     llm = LLM(args.model, max_num_seqs=args.concurrency, **json.loads(args.offline_engine_kwargs))
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
@@ -152,13 +227,15 @@ def offline_tokens_per_s(args) -> float:
 
     def run():   # in a worker thread, as the server's engine loop (torch's CPU threading differs by thread)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        result.append(sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start))
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result.extend([num_tokens / elapsed, cpu * 1e3 / num_tokens])
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
-    return result[0]
+    return result[0], result[1]
 
 
 def main() -> None:
@@ -169,31 +246,41 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--client", choices=("stdlib", "httpx"), default="stdlib",
+                        help="the clients' HTTP library: stdlib (sse_client.py: asyncio streams, the lighter "
+                             "one) or httpx (the client of runs before 2026-12-01)")
     parser.add_argument("--show-server-log", action="store_true")
     parser.add_argument("--offline-baseline", action="store_true",
                         help="also time the same requests through LLM.generate, after the server stops")
     parser.add_argument("--offline-engine-kwargs", default="{}", help="JSON engine kwargs for the baseline")
+    parser.add_argument("--simulate-step-ms", type=float, default=None,
+                        help="run server and baseline on a simulated device whose decode step takes this long "
+                             "(benchmarks/sim_device.py): the host's share of serving, on any machine")
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
-        results, elapsed = asyncio.run(run_clients(url, args.concurrency, args.num_prompts, args.max_tokens))
+        results, elapsed, server_cpu_s = run_timed(url, args, proc.pid if proc is not None else None)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    summary = summarize(results, elapsed, args)
+    summary = summarize(results, elapsed, server_cpu_s, args)
     if args.offline_baseline:
-        offline = offline_tokens_per_s(args)
+        offline, offline_cpu_ms = offline_tokens_per_s(args)
         summary["offline_output_tokens_per_s"] = round(offline, 1)
+        summary["offline_cpu_ms_per_token"] = round(offline_cpu_ms, 4)
         summary["serving_over_offline"] = round(summary["output_tokens_per_s"] / offline, 3)
     print(f"B3 serving: {summary['completed']}/{args.num_prompts} requests ok, {summary['errors']} errors, "
           f"concurrency {args.concurrency}, {args.max_tokens} tokens each")
     print(f"  requests/s {summary['requests_per_s']}, output tokens/s {summary['output_tokens_per_s']}")
     print(f"  TTFT median {summary['ttft_median_ms']} ms, p99 {summary['ttft_p99_ms']} ms")
     print(f"  TPOT median {summary['tpot_median_ms']} ms, p99 {summary['tpot_p99_ms']} ms")
+    if summary["server_cpu_ms_per_token"] is not None:
+        print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token")
     if args.offline_baseline:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
-              f"(serving / offline = {summary['serving_over_offline']})")
+              f"(serving / offline = {summary['serving_over_offline']}); "
+              f"CPU time {summary['offline_cpu_ms_per_token']} ms per output token")
     print(json.dumps(summary))
 
 

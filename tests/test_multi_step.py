@@ -167,6 +167,26 @@ def test_no_round_is_chained_while_requests_are_arriving(engines, monkeypatch):
     assert launches and all(after is None for _, after in launches)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_full_batch_runs_rounds_while_more_requests_wait(engines, mode, monkeypatch):
+    """Twice max_num_seqs prompts: the first full batch decodes in rounds (chained ones too)
+    although the rest wait, and greedy ids still equal HF's."""
+    engine = engines[mode].llm_engine
+    waiting_at_launch = []
+    launch = engine.model_runner.launch_decode_round
+
+    def recording(seqs, num_steps, after=None):
+        waiting_at_launch.append(len(engine.scheduler.waiting))
+        return launch(seqs, num_steps, after=after)
+    monkeypatch.setattr(engine.model_runner, "launch_decode_round", recording)
+    prompts = PROMPTS + random_prompts([11, 4, 21, 8], seed=4)
+    max_tokens = [9, 12, 10, 11, 6, 13, 9, 7]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    for prompt, m, out in zip(prompts, max_tokens, _run(engines[mode], params, prompts)):
+        assert out.token_ids == hf_greedy(engines["hf"], prompt, m)
+    assert sum(n > 0 for n in waiting_at_launch) >= 2
+
+
 def test_async_rounds_are_launched_ahead_of_the_host(engines, monkeypatch):
     """The chained launches happen (and replace scheduler passes), not just the plain path."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

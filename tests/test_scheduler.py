@@ -392,6 +392,20 @@ def test_extend_decode_allocates_every_step_and_respects_max_model_len(make_sche
         sched.finish(s, "abort")
 
 
+def test_a_full_batch_runs_rounds_while_others_wait(make_sched):
+    """At max_num_seqs nobody waiting can join before a running sequence ends: rounds go on."""
+    sched = make_sched(num_blocks=16, max_num_seqs=2)
+    a, b = decoding_pair(sched, FakeModel())
+    sched.add(seq_of([1, 2]))
+    assert not sched.can_admit()
+    assert sched.extend_decode([a, b], 4, max_model_len=64) == 4
+    sched.finish(a, "abort")  # a slot opens: the waiting sequence could join, plain steps again
+    assert sched.can_admit()
+    assert sched.extend_decode([b], 4, max_model_len=64) == 1
+    for s in (b, sched.waiting[0]):
+        sched.finish(s, "abort")
+
+
 def test_extend_decode_after_pending_tokens(make_sched):
     """A round chained onto a running one starts one token later (async scheduling)."""
     sched = make_sched(num_blocks=8)

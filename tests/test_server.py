@@ -181,6 +181,39 @@ def test_completion_stream_raw_sse_ends_with_done(server):
     assert folded["usage"]["completion_tokens"] == 10
 
 
+def test_bench_serving_client_reads_what_httpx_reads(server):
+    """benchmarks/sse_client.py (B3's client): the same stream as httpx (its deltas may be cut
+    elsewhere: a lagging reader gets them folded), two requests on one keep-alive connection,
+    and an error status with its body."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from sse_client import SSEConnection
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 9, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+    def summary(events: list) -> tuple:
+        choices = [c for e in events[:-1] for c in e["choices"]]
+        return (events[-1], choices[0]["delta"], "".join(c["delta"].get("content", "") for c in choices),
+                choices[-1]["finish_reason"], events[-2]["usage"])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, headers=AUTH) as r:
+        expected = summary(sse_events(r))
+    assert expected[0] == "[DONE]" and expected[3] == "length" and expected[4]["completion_tokens"] == 9
+
+    async def read_three():
+        conn, results = SSEConnection.of_url(server.url), []
+        for headers in (AUTH, AUTH, {}):
+            status, lines = await conn.post("/v1/chat/completions", body, headers)
+            lines = [line async for line in lines]
+            events = [e[len("data: "):] for e in lines if e.startswith("data: ")]
+            results.append((status, [e if e == "[DONE]" else json.loads(e) for e in events], lines))
+        await conn.close()
+        return results
+    results = asyncio.run(read_three())
+    for status, events, _ in results[:2]:
+        assert status == 200 and summary(events) == expected
+    status, events, lines = results[2]
+    assert status == 401 and events == [] and "error" in json.loads("".join(lines))
+
+
 def test_completion_echo_and_batched_prompts(server, client):
     prompts = ["The sky is", "Two plus two"]
     out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=4, temperature=0, echo=True)

@@ -346,10 +346,10 @@ class LLMEngine:
 
     def _chain(self, decode_round: DecodeRound) -> DecodeRound | None:
         """Launch the round after `decode_round`, whose last step the host has not seen yet;
-        None when the next round needs the scheduler (newcomers waiting, a running sequence
+        None when the next round needs the scheduler (newcomers that could join, a running sequence
         outside this round, too few free blocks, one-step rounds)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
-        if (self.scheduler.waiting or self.requests_arriving()
+        if (self.scheduler.can_admit() or self.requests_arriving()
                 or any(s.seq_id not in in_round for s in self.scheduler.running)):
             return None
         # sequences that the outstanding token ends for sure are left out; a stop token or

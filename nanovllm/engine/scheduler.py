@@ -60,6 +60,11 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def can_admit(self) -> bool:
+        """Whether a waiting sequence could join the batch at the next step: one waits and the
+        batch has room for it (max_num_seqs); KV room is found out only by trying."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -90,14 +95,15 @@ class Scheduler:
                       num_pending: int = 0) -> int:
         """How many decode steps the scheduled `seqs` may run back to back (multi-step).
 
-        Only a step of pure decodes with nobody waiting is extended (newcomers are
-        admitted at step boundaries). Each sequence gets KV slots for every step;
-        none may pass `max_model_len`. A sequence that finishes early wastes the
+        Only a step of pure decodes that no waiting sequence could join is extended
+        (newcomers are admitted at step boundaries; a full batch, at max_num_seqs, admits
+        nobody before one of its sequences ends, so it runs rounds too). Each sequence
+        gets KV slots for every step; none may pass `max_model_len`. A sequence that finishes early wastes the
         rest of its steps, whose tokens are dropped. Returns 1 when not extended.
         `num_pending`: tokens each sequence has sampled on the device beyond what the
         host has seen (a round chained onto a running one); the steps come after them.
         """
-        if max_steps == 1 or self.waiting or any(s.num_uncomputed_tokens != 1 for s in seqs):
+        if max_steps == 1 or self.can_admit() or any(s.num_uncomputed_tokens != 1 for s in seqs):
             return 1
         steps = min(max_steps, min(max_model_len - s.num_tokens - num_pending + 1 for s in seqs))
         if steps <= 1 or self._num_new_blocks(seqs, num_pending + steps) > self.block_manager.num_free_blocks:

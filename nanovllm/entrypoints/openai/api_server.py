@@ -62,6 +62,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--log-stats-interval", type=float, default=10.0,
                         help="seconds between throughput lines in the log; 0 disables them")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no log line per HTTP request (each is written from the event loop)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="let the model call tools itself (tool_choice 'auto'); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -196,7 +198,8 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
 
     async def require_api_key(request: Request) -> None:
         state.check_api_key(request)
-    guarded = [Depends(require_api_key)]
+    # without a key nothing is checked, so the routes skip FastAPI's dependency pass
+    guarded = [Depends(require_api_key)] if api_key is not None else []
     _add_generation_routes(app, state, guarded)
     _add_token_routes(app, state, guarded)
     _add_info_routes(app, state, guarded)
@@ -276,6 +279,9 @@ def _add_info_routes(app, state: ServerState, guarded: list) -> None:
 def main(args: argparse.Namespace) -> None:
     """Load the engine, then serve until SIGTERM/SIGINT. A bad setting exits with one line."""
     if uses_ray(args):   # N engine replicas behind one OpenAI ingress (entrypoints/ray/serve.py)
+        if args.disable_uvicorn_access_log:
+            raise SystemExit("nanovllm serve: error: --disable-uvicorn-access-log is for the single-engine "
+                             "server; Ray Serve's proxy writes its own access log")
         from nanovllm.entrypoints.ray.serve import main as serve_on_ray
         return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -299,9 +305,15 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
     logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
                 async_llm.engine.block_manager.num_blocks)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config(app, args)).run()
+
+
+def uvicorn_config(app, args: argparse.Namespace):
+    """uvicorn's settings from the server's flags."""
+    import uvicorn
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=args.shutdown_timeout,
+                          access_log=not args.disable_uvicorn_access_log)
 
 
 def default_model_name(model: str | None, async_llm) -> str:

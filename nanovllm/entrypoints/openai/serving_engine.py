@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, check_model, error_body
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.prompt_encoder import PromptEncoder
 from nanovllm.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanovllm.outputs import Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class OpenAIServing:
     def __init__(self, async_llm: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics):
         self.async_llm = async_llm
         self.tokenizer = async_llm.tokenizer   # the event loop's own copy
+        self.prompt_encoder = PromptEncoder(self.tokenizer) if self.tokenizer is not None else None
         self.served_model_names = served_model_names
         self.metrics = metrics
         self._param_names = {f.name for f in fields(SamplingParams)}
@@ -88,7 +90,7 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this server runs without a tokenizer: send token ids", "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.prompt_encoder.encode(text, add_special_tokens)
 
     def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

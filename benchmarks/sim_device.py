@@ -1,0 +1,113 @@
+"""A simulated device for measuring the host's share of serving on any machine.
+
+On an H200 a decode step of the Qwen3-0.6B shape takes ~2.5 ms, so what the host does per
+step and per token (scheduling, detokenizing, the event loop's streams, SSE, HTTP, the GIL
+shared by the engine thread and the event loop) decides how close serving comes to offline
+throughput. This module replaces the engine's model runner with one that keeps a device
+timeline instead of computing: each step takes `step_ms + token_us * tokens` of simulated
+device time, the host waits for it with the GIL released (as `torch.cuda.Event.synchronize`
+does), and sampled tokens are random ordinary token ids (so detokenization is real work).
+Multi-step decode rounds queue their steps back to back on the timeline, and a round
+chained by async scheduling starts when the previous one ends, as on the GPU. Everything
+else (LLMEngine, scheduler, block manager, output processing, AsyncLLM, the server) is the
+real code. Only for benchmarks: the text is random.
+
+    python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
+        (the OpenAI server, `api_server`'s flags after `--`)
+
+`install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline).
+"""
+import argparse
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nanovllm.engine.sampling_metadata import ModelRunnerOutput
+
+DEFAULT_STEP_MS = 2.5       # an H200 decode step of 64 sequences, Qwen3-0.6B (RESULTS, B3 call 3: TPOT)
+DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step takes ~5.7 ms
+DEFAULT_NUM_BLOCKS = 8192
+SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
+
+
+class DeviceTimeline:
+    """When the simulated device finishes each queued step (one stream, in launch order)."""
+
+    def __init__(self, step_s: float, token_s: float):
+        self.step_s, self.token_s = step_s, token_s
+        self.free_at = 0.0
+        self.lock = threading.Lock()
+
+    def queue(self, num_tokens: int) -> float:
+        """Queue one step of `num_tokens` tokens; returns the time it ends."""
+        with self.lock:
+            self.free_at = max(time.perf_counter(), self.free_at) + self.step_s + self.token_s * num_tokens
+            return self.free_at
+
+    @staticmethod
+    def wait(until: float) -> None:
+        delay = until - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)  # the GIL is free meanwhile, as in a CUDA event wait
+
+
+@dataclass
+class SimulatedRound:
+    """A multi-step decode round on the timeline; the engine's `DecodeRound` interface."""
+    seqs: list
+    num_steps: int
+    ends: list[float] = field(default_factory=list)
+
+    def outputs(self, on_last_step=None):
+        for step, end in enumerate(self.ends):
+            if step == self.num_steps - 1 and step > 0 and on_last_step is not None:
+                on_last_step()
+            DeviceTimeline.wait(end)
+            yield ModelRunnerOutput([random.randrange(*SAMPLED_ID_RANGE) for _ in self.seqs])
+
+
+class SimulatedModelRunner:
+    """What LLMEngine needs of a model runner, with no model: see the module docstring."""
+
+    def __init__(self, config, timeline: DeviceTimeline):
+        self.num_kvcache_blocks = config.num_kvcache_blocks or DEFAULT_NUM_BLOCKS
+        self.timeline = timeline
+
+    def run(self, seqs) -> ModelRunnerOutput:
+        end = self.timeline.queue(sum(seq.num_scheduled_tokens for seq in seqs))
+        DeviceTimeline.wait(end)
+        # a sequence samples once this step reaches the end of its tokens (not mid-prompt)
+        return ModelRunnerOutput([random.randrange(*SAMPLED_ID_RANGE)
+                                  if seq.num_computed_tokens + seq.num_scheduled_tokens >= seq.num_tokens else None
+                                  for seq in seqs])
+
+    def launch_decode_round(self, seqs, num_steps: int, after=None) -> SimulatedRound:
+        return SimulatedRound(list(seqs), num_steps, [self.timeline.queue(len(seqs)) for _ in range(num_steps)])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US) -> None:
+    """Make every LLMEngine built after this call run on the simulated device."""
+    from nanovllm.engine import llm_engine
+    timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
+    llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the OpenAI server on a simulated device")
+    parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_MS)
+    parser.add_argument("--token-us", type=float, default=DEFAULT_TOKEN_US)
+    args, server_argv = parser.parse_known_args()
+    if server_argv[:1] == ["--"]:
+        server_argv = server_argv[1:]
+    install(args.step_ms, args.token_us)
+    from nanovllm.entrypoints.openai import api_server
+    api_server.main(api_server.add_cli_args(argparse.ArgumentParser(prog="sim_device.py")).parse_args(server_argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
