@@ -4,7 +4,7 @@ B1 with half its requests under an unbounded JSON array of strings is host-bound
 fill (RESULTS.md, "Structured outputs"): 128 rows of Qwen3's 151,936 tokens a step, most of
 them inside a string, where a row costs the most. This times, on the same matchers:
 the engine's fill (`backend.fill_bitmasks`: xgrammar's BatchGrammarMatcher) at several
-thread counts, the same right after a parallel torch CPU op (a torch.full of the batch's
+thread counts, alone and (in turn with it) right after a parallel torch CPU op (a torch.full of the batch's
 bitmask, what the engine ran before each fill until the ninth session: torch's OpenMP
 threads spin for milliseconds after it, on the cores the fill's threads need), a pool of
 Python threads each filling every n-th row, and one thread calling each matcher in turn.
@@ -38,6 +38,7 @@ from nanovllm.structured_outputs.params import StructuredOutputsParams  # noqa: 
 SCHEMA = {"type": "array", "items": {"type": "string"}}  # bench_structured's schema
 WORDS = ["alpha", "beta", "gamma", "delta", "north", "south", "river", "stone"]
 REPEATS = 20
+IDLE_S = 0.05  # between paired fills: longer than OpenMP's spin after a parallel region (~6 ms here)
 
 
 def compiled_grammar(tokenizer, vocab_size: int, unbounded_whitespace: bool):
@@ -81,17 +82,32 @@ def matchers_from_histories(compiled, stop_ids: list[int], path: str, rows: int,
     return matchers
 
 
-def median_ms(fill, before=None, repeats: int = REPEATS) -> float:
-    """Median time of `fill()`; `before()` runs ahead of each, untimed."""
+def median_ms(fill, repeats: int = REPEATS) -> float:
     fill()  # first call: pools and caches
     times = []
     for _ in range(repeats):
-        if before is not None:
-            before()
         start = time.perf_counter()
         fill()
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
+
+
+def paired_ms(fill, before, repeats: int = REPEATS) -> tuple[float, float, float]:
+    """Medians of `fill()` alone and of `fill()` right after `before()` (untimed), the two in
+    turn (a shared machine's speed drifts less within a pair), and the median of the pairs'
+    ratios (after / alone)."""
+    fill()
+    alone, after = [], []
+    for _ in range(repeats):
+        for times, first in ((alone, None), (after, before)):
+            time.sleep(IDLE_S)  # torch's OpenMP threads go back to sleep
+            if first is not None:
+                first()
+            start = time.perf_counter()
+            fill()
+            times.append((time.perf_counter() - start) * 1e3)
+    ratio = statistics.median(b / a for a, b in zip(alone, after))
+    return round(statistics.median(alone), 3), round(statistics.median(after), 3), round(ratio, 2)
 
 
 def fill_on_pool(pool: ThreadPoolExecutor, threads: int, matchers: list, bitmask: torch.Tensor,
@@ -134,11 +150,12 @@ def main() -> None:
                                                          for m, r in zip(matchers, rows)])}
     for threads in (int(t) for t in args.threads.split(",")):
         backend.set_fill_threads(threads)
-        result[f"engine_{threads}_ms"] = median_ms(lambda: backend.fill_bitmasks(matchers, bitmask, rows))
-        result[f"engine_{threads}_after_torch_op_ms"] = median_ms(
-            lambda: backend.fill_bitmasks(matchers, bitmask, rows), before=torch_op)
+        (result[f"engine_{threads}_ms"], result[f"engine_{threads}_after_torch_op_ms"],
+         result[f"engine_{threads}_after_torch_op_ratio"]) = paired_ms(
+            lambda: backend.fill_bitmasks(matchers, bitmask, rows), torch_op)
         with ThreadPoolExecutor(threads) as pool:
-            result[f"python_pool_{threads}_ms"] = median_ms(lambda: fill_on_pool(pool, threads, matchers, bitmask, rows))
+            result[f"python_pool_{threads}_ms"] = median_ms(
+                lambda: fill_on_pool(pool, threads, matchers, bitmask, rows))
     backend.set_fill_threads(None)
     print(json.dumps(result))
 
