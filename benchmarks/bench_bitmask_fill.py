@@ -10,8 +10,9 @@ threads spin for milliseconds after it, on the cores the fill's threads need), a
 Python threads each filling every n-th row, and one thread calling each matcher in turn.
 
 The grammar is the engine's (`backend.parse_grammar`: at most 20 whitespace characters
-in a row); --unbounded-whitespace compiles xgrammar's default instead (what this script
-timed before the ninth session: about half the cost a row inside a string). The matchers
+in a row); --unbounded-whitespace times xgrammar's default instead (what this script
+timed before the ninth session). One thread filling each row in turn is timed with both,
+at the same states, in turn, so their ratio shows what the whitespace limit costs. The matchers
 sit in states like the engine's: --histories FILE replays the constrained outputs that
 bench_structured.py --save-histories recorded, each to --step tokens (or to its last
 token); without it, random words in strings, 85% of the rows inside one.
@@ -38,7 +39,7 @@ from nanovllm.structured_outputs.params import StructuredOutputsParams  # noqa: 
 SCHEMA = {"type": "array", "items": {"type": "string"}}  # bench_structured's schema
 WORDS = ["alpha", "beta", "gamma", "delta", "north", "south", "river", "stone"]
 REPEATS = 20
-IDLE_S = 0.05  # between paired fills: longer than OpenMP's spin after a parallel region (~6 ms here)
+IDLE_S = 0.05  # before each timed fill: longer than OpenMP's spin after a parallel region (~10 ms here)
 
 
 def compiled_grammar(tokenizer, vocab_size: int, unbounded_whitespace: bool):
@@ -83,31 +84,34 @@ def matchers_from_histories(compiled, stop_ids: list[int], path: str, rows: int,
 
 
 def median_ms(fill, repeats: int = REPEATS) -> float:
+    """Median time of `fill()`, each after IDLE_S (as paired_ms times)."""
     fill()  # first call: pools and caches
     times = []
     for _ in range(repeats):
+        time.sleep(IDLE_S)
         start = time.perf_counter()
         fill()
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
 
 
-def paired_ms(fill, before, repeats: int = REPEATS) -> tuple[float, float, float]:
-    """Medians of `fill()` alone and of `fill()` right after `before()` (untimed), the two in
-    turn (a shared machine's speed drifts less within a pair), and the median of the pairs'
-    ratios (after / alone)."""
-    fill()
-    alone, after = [], []
+def paired_ms(fill, before, repeats: int = REPEATS, alone=None) -> tuple[float, float, float]:
+    """Medians of `alone()` (default: `fill`) and of `fill()` right after `before()` (untimed),
+    the two in turn (a shared machine's speed drifts less within a pair), and the median of
+    the pairs' ratios (second / first)."""
+    alone = alone or fill
+    alone(), fill()  # first calls: pools and caches
+    first, second = [], []
     for _ in range(repeats):
-        for times, first in ((alone, None), (after, before)):
+        for times, run, ahead in ((first, alone, None), (second, fill, before)):
             time.sleep(IDLE_S)  # torch's OpenMP threads go back to sleep
-            if first is not None:
-                first()
+            if ahead is not None:
+                ahead()
             start = time.perf_counter()
-            fill()
+            run()
             times.append((time.perf_counter() - start) * 1e3)
-    ratio = statistics.median(b / a for a, b in zip(alone, after))
-    return round(statistics.median(alone), 3), round(statistics.median(after), 3), round(ratio, 2)
+    ratio = statistics.median(b / a for a, b in zip(first, second))
+    return round(statistics.median(first), 3), round(statistics.median(second), 3), round(ratio, 2)
 
 
 def fill_on_pool(pool: ThreadPoolExecutor, threads: int, matchers: list, bitmask: torch.Tensor,
@@ -130,24 +134,32 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    compiled = compiled_grammar(tokenizer, args.vocab, args.unbounded_whitespace)
     stop_ids = [tokenizer.eos_token_id]
-    if args.histories:
-        matchers = matchers_from_histories(compiled, stop_ids, args.histories, args.rows, args.step)
-    else:
-        matchers = matchers_in_strings(compiled, stop_ids, args.rows)
+    both = {}  # unbounded whitespace or not -> matchers in the same states
+    for unbounded in (False, True):
+        compiled = compiled_grammar(tokenizer, args.vocab, unbounded)
+        if args.histories:
+            both[unbounded] = matchers_from_histories(compiled, stop_ids, args.histories, args.rows, args.step)
+        else:
+            both[unbounded] = matchers_in_strings(compiled, stop_ids, args.rows)
+    matchers = both[args.unbounded_whitespace]
     rows = list(range(0, 2 * args.rows, 2))  # every other row of a batch twice as large
     shape = (2 * args.rows, -(-args.vocab // backend.BITS_PER_WORD))
     bitmask = torch.full(shape, -1, dtype=torch.int32)
 
+    def in_turn(unbounded: bool):
+        return lambda: [m.fill_next_token_bitmask(bitmask, r) for m, r in zip(both[unbounded], rows)]
+
     def torch_op() -> None:  # a parallel torch CPU op: the engine's bitmask before the ninth session
         torch.full(shape, -1, dtype=torch.int32)
+    # one thread, each matcher in turn: the engine's grammar, then the unbounded one at the same states
+    engine_ms, unbounded_ms, unbounded_ratio = paired_ms(in_turn(True), lambda: None, alone=in_turn(False))
     result = {"rows": args.rows, "vocab": args.vocab, "cpus": os.cpu_count(),
               "torch_threads": torch.get_num_threads(),
               "states": f"{args.histories} at step {args.step}" if args.histories else "random words",
               "whitespace": "unbounded" if args.unbounded_whitespace else "the engine's",
-              "one_thread_in_turn_ms": median_ms(lambda: [m.fill_next_token_bitmask(bitmask, r)
-                                                         for m, r in zip(matchers, rows)])}
+              "one_thread_in_turn_ms": engine_ms, "one_thread_in_turn_unbounded_whitespace_ms": unbounded_ms,
+              "unbounded_over_engine_whitespace": unbounded_ratio}
     for threads in (int(t) for t in args.threads.split(",")):
         backend.set_fill_threads(threads)
         (result[f"engine_{threads}_ms"], result[f"engine_{threads}_after_torch_op_ms"],
