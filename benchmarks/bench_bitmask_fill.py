@@ -152,6 +152,11 @@ def main() -> None:
 
     def torch_op() -> None:  # a parallel torch CPU op: the engine's bitmask before the ninth session
         torch.full(shape, -1, dtype=torch.int32)
+    unbounded_mask = torch.full(shape, -1, dtype=torch.int32)
+    for engine_matcher, unbounded_matcher, row in zip(both[False], both[True], rows):
+        engine_matcher.fill_next_token_bitmask(bitmask, row)
+        unbounded_matcher.fill_next_token_bitmask(unbounded_mask, row)
+    differing = sum(not torch.equal(bitmask[row], unbounded_mask[row]) for row in rows)
     # one thread, each matcher in turn: the engine's grammar, then the unbounded one at the same states
     engine_ms, unbounded_ms, unbounded_ratio = paired_ms(in_turn(True), lambda: None, alone=in_turn(False))
     result = {"rows": args.rows, "vocab": args.vocab, "cpus": os.cpu_count(),
@@ -159,7 +164,7 @@ def main() -> None:
               "states": f"{args.histories} at step {args.step}" if args.histories else "random words",
               "whitespace": "unbounded" if args.unbounded_whitespace else "the engine's",
               "one_thread_in_turn_ms": engine_ms, "one_thread_in_turn_unbounded_whitespace_ms": unbounded_ms,
-              "unbounded_over_engine_whitespace": unbounded_ratio}
+              "unbounded_over_engine_whitespace": unbounded_ratio, "rows_whose_masks_differ": differing}
     for threads in (int(t) for t in args.threads.split(",")):
         backend.set_fill_threads(threads)
         (result[f"engine_{threads}_ms"], result[f"engine_{threads}_after_torch_op_ms"],
