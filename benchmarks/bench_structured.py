@@ -21,7 +21,8 @@ outputs, and the same fill is timed at the same states with nothing else running
 "in the engine / alone" says what running inside the engine costs the fill.
 --save-histories FILE keeps those outputs for bench_bitmask_fill.py --histories;
 --torch-threads N sets torch's CPU threads first (OpenMP threads that spin after a
-parallel CPU op compete with the fill's threads for the cores).
+parallel CPU op compete with the fill's threads for the cores); --full-bitmask-first puts
+the parallel CPU op that came before each fill until the ninth session back (an A/B).
 
 CPU (--cpu-mask): the host's per-step cost of the masks at batch 64: 64 matchers on one
 schema walk random valid paths; per step, filling the 64 bitmask rows from the matchers
@@ -219,6 +220,22 @@ def fill_alone(llm: LLM, run_params: list[SamplingParams], outputs) -> dict:
                 alone_fills=len(times), alone_rows_per_fill=round(num_rows / max(1, len(times)), 1))
 
 
+def full_bitmask_first() -> None:
+    """The eighth session's order, for an A/B in one call: a torch.full of the whole batch's
+    bitmask on the host (a parallel CPU op from 8 rows of a 152k vocabulary up) right before
+    each fill, as fill_token_bitmask made its bitmask then."""
+    from nanovllm.engine import sampling_metadata
+    fill = sampling_metadata.fill_token_bitmask
+
+    @functools.wraps(fill)
+    def after_full(seqs, vocab_size, device):
+        if any(constrained_now(seq) for seq in seqs):
+            words = -(-vocab_size // sampling_metadata.BITS_PER_WORD)
+            torch.full((len(seqs), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return fill(seqs, vocab_size, device)
+    sampling_metadata.fill_token_bitmask = after_full
+
+
 def timed_runs(llm: LLM, prompts, runs: dict[str, list[SamplingParams]], breakdown: StepBreakdown,
                histories: dict | None = None) -> dict:
     """Each run of `runs` once, timed, with its breakdown (and its fills replayed alone);
@@ -385,6 +402,8 @@ def main() -> None:
                     help="threads filling each step's bitmasks (default: the engine's)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch.set_num_threads before the engine starts (default: torch's, one per core)")
+    ap.add_argument("--full-bitmask-first", action="store_true",
+                    help="a torch.full of the batch's bitmask before each fill (the order before the ninth session)")
     ap.add_argument("--save-histories", default=None, metavar="FILE",
                     help="write the half-constrained run's constrained outputs (token ids, JSON) to FILE, "
                          "for bench_bitmask_fill.py --histories")
@@ -394,6 +413,8 @@ def main() -> None:
         set_fill_threads(args.fill_threads)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
+    if args.full_bitmask_first:
+        full_bitmask_first()
     histories = {} if args.save_histories else None
     if args.cpu_mask:
         result = {"benchmark": "structured_cpu_mask", **cpu_mask(args.tokenizer, args.vocab)}
@@ -407,7 +428,8 @@ def main() -> None:
     if histories:
         with open(args.save_histories, "w") as f:
             json.dump({"schema": UNBOUNDED, "histories": histories.get("half_json", [])}, f)
-    print(json.dumps({**result, "fill_threads": args.fill_threads, "torch_threads": torch.get_num_threads()}))
+    print(json.dumps({**result, "fill_threads": args.fill_threads, "torch_threads": torch.get_num_threads(),
+                      "full_bitmask_first": args.full_bitmask_first}))
 
 
 if __name__ == "__main__":
