@@ -12,8 +12,17 @@ Each run prints a per-step breakdown (`StepBreakdown`) that explains the ratio: 
 steps run in multi-step rounds and in plain one-step steps, steps per round, rounds
 chained (async scheduling), lazy rounds (grammar rows: each step's masks filled while the
 device runs its forward, engine/decode_round.py), the host's bitmask fill
-(ms per step that had one), the engine's postprocessing (ms per step), and the host's wait
-for the device's tokens (ms per step: near 0 means the host is the bottleneck).
+(ms per step that had one, and rows per fill), the rest of the sampling metadata, the
+sampler's launch, the engine's postprocessing (ms per step), the host's wait for the
+device's tokens (ms per step: near 0 means the host is the bottleneck), and the wall and
+CPU time per step (CPU: all the process's threads). A run with fills then replays them
+alone (`fill_alone`): fresh matchers of the same grammar follow the run's constrained
+outputs, and the same fill is timed at the same states with nothing else running, so
+"in the engine / alone" says what running inside the engine costs the fill.
+--save-histories FILE keeps those outputs for bench_bitmask_fill.py --histories;
+--torch-threads N sets torch's CPU threads first (OpenMP threads that spin after a
+parallel CPU op compete with the fill's threads for the cores); --full-bitmask-first puts
+the parallel CPU op that came before each fill until the ninth session back (an A/B).
 
 CPU (--cpu-mask): the host's per-step cost of the masks at batch 64: 64 matchers on one
 schema walk random valid paths; per step, filling the 64 bitmask rows from the matchers
@@ -22,7 +31,7 @@ schema walk random valid paths; per step, filling the 64 bitmask rows from the m
 them, one copy of the logits as a yardstick of the machine's speed at the time.
 
 CPU (--cpu-rounds): constrained vs free throughput on a tiny model (bench_offline's SMALL
-shape with the tokenizer's vocabulary; SmolLM2's without --tokenizer) at batch 8, with
+shape with the tokenizer's vocabulary; SmolLM2's without --tokenizer) at batch 8 (--batch), with
 one-step and multi-step rounds (num_scheduler_steps forced), alternating free and half
 constrained runs (--repeats pairs; medians), each with the breakdown above.
 
@@ -31,6 +40,7 @@ constrained runs (--repeats pairs; medians), each with the breakdown above.
     python benchmarks/bench_structured.py --cpu-rounds [--tokenizer DIR --vocab 151936]  # CPU, tiny model
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,6 +55,8 @@ WARMUP_PROMPTS = 2  # the untimed warm-up: one constrained request and one free 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanovllm.engine.decode_round import StepLauncher  # noqa: E402
+from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
 UNBOUNDED = {"type": "array", "items": {"type": "string"}}
@@ -64,19 +76,27 @@ class StepBreakdown:
         self._wrap(runner, "launch_decode_round", self._counted_launch)
         self._wrap(engine, "_postprocess", self._timer("postprocess_s"))
         self._wrap(sampling_metadata, "fill_token_bitmask", self._timed_fill)  # every step's metadata calls it
+        self._wrap(sampling_metadata.SamplingMetadata, "build", self._timer("metadata_s"))  # includes the fill
+        self._wrap(StepLauncher, "sample", self._timed_sample)  # a round step's metadata + sampler launch
         if torch.cuda.is_available():  # the host's waits for a round's tokens
             self._wrap(torch.cuda.Event, "synchronize", self._timer("wait_s"))
 
     def _reset(self) -> None:
-        self.counts = dict(plain_steps=0, rounds=0, round_steps=0, chained_rounds=0, lazy_rounds=0, fills=0)
-        self.seconds = dict(postprocess_s=0.0, fill_s=0.0, wait_s=0.0)
+        self.counts = dict(plain_steps=0, rounds=0, round_steps=0, chained_rounds=0, lazy_rounds=0, fills=0,
+                           filled_rows=0)
+        self.seconds = dict(postprocess_s=0.0, fill_s=0.0, wait_s=0.0, metadata_s=0.0, sample_s=0.0)
         self.fill_ms: list[float] = []
 
     def _wrap(self, owner, name: str, make) -> None:
-        setattr(owner, name, make(getattr(owner, name)))
+        attribute = owner.__dict__.get(name) if isinstance(owner, type) else None
+        if isinstance(attribute, classmethod):  # wrapped as the function it binds, kept a classmethod
+            setattr(owner, name, classmethod(make(attribute.__func__)))
+        else:
+            setattr(owner, name, make(getattr(owner, name)))
 
     def _timer(self, key: str):
         def make(fn):
+            @functools.wraps(fn)
             def timed(*args, **kwargs):
                 start = time.perf_counter()
                 try:
@@ -87,15 +107,27 @@ class StepBreakdown:
         return make
 
     def _timed_fill(self, fn):
-        def timed(*args, **kwargs):
+        @functools.wraps(fn)
+        def timed(seqs, *args, **kwargs):
             start = time.perf_counter()
-            bitmask = fn(*args, **kwargs)
+            bitmask = fn(seqs, *args, **kwargs)
             if bitmask is not None:  # a step with an active grammar row
                 ms = (time.perf_counter() - start) * 1e3
                 self.counts["fills"] += 1
+                self.counts["filled_rows"] += sum(constrained_now(seq) for seq in seqs)
                 self.fill_ms.append(ms)
                 self.seconds["fill_s"] += ms / 1e3
             return bitmask
+        return timed
+
+    def _timed_sample(self, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start, metadata_s = time.perf_counter(), self.seconds["metadata_s"]
+            try:
+                return fn(*args, **kwargs)
+            finally:  # the sampler's launch (and on a GPU its copies): what the metadata build leaves
+                self.seconds["sample_s"] += time.perf_counter() - start - (self.seconds["metadata_s"] - metadata_s)
         return timed
 
     def _counted_run(self, fn):
@@ -117,11 +149,15 @@ class StepBreakdown:
     def take(self) -> dict:
         c, s = self.counts, self.seconds
         steps = max(1, c["plain_steps"] + c["round_steps"])
-        result = dict(c, steps_per_round=round(c["round_steps"] / max(1, c["rounds"]), 2),
+        per_step = lambda seconds: round(seconds * 1e3 / steps, 3)  # noqa: E731
+        result = dict(c, steps=steps, steps_per_round=round(c["round_steps"] / max(1, c["rounds"]), 2),
                       fill_ms_per_filled_step=round(statistics.median(self.fill_ms), 3) if self.fill_ms else 0.0,
-                      fill_ms_per_step=round(s["fill_s"] * 1e3 / steps, 3),
-                      postprocess_ms_per_step=round(s["postprocess_s"] * 1e3 / steps, 3),
-                      wait_ms_per_step=round(s["wait_s"] * 1e3 / steps, 3))
+                      rows_per_fill=round(c["filled_rows"] / max(1, c["fills"]), 1),
+                      fill_ms_per_step=per_step(s["fill_s"]),
+                      metadata_ms_per_step=per_step(s["metadata_s"] - s["fill_s"]),  # the rest of the build
+                      sampler_launch_ms_per_round_step=round(s["sample_s"] * 1e3 / max(1, c["round_steps"]), 3),
+                      postprocess_ms_per_step=per_step(s["postprocess_s"]),
+                      wait_ms_per_step=per_step(s["wait_s"]))
         self._reset()
         return result
 
@@ -130,12 +166,80 @@ def _print_breakdown(name: str, b: dict) -> None:
     print(f"  {name}: {b['plain_steps']} one-step steps, {b['round_steps']} steps in {b['rounds']} rounds "
           f"({b['steps_per_round']} per round; {b['chained_rounds']} chained, {b['lazy_rounds']} lazy); "
           f"bitmask fill {b['fill_ms_per_filled_step']} ms per filled step (median, {b['fills']} "
-          f"fills), per step (means): fill {b['fill_ms_per_step']} ms, postprocess {b['postprocess_ms_per_step']} ms, "
-          f"waiting for the device {b['wait_ms_per_step']} ms")
+          f"fills of {b['rows_per_fill']} rows), per step (means): wall {b['wall_ms_per_step']} ms, "
+          f"CPU {b['cpu_ms_per_step']} ms (all threads), fill {b['fill_ms_per_step']} ms, rest of the "
+          f"metadata {b['metadata_ms_per_step']} ms, sampler launch {b['sampler_launch_ms_per_round_step']} ms "
+          f"(per step in rounds), "
+          f"postprocess {b['postprocess_ms_per_step']} ms, waiting for the device {b['wait_ms_per_step']} ms")
+    if "fill_alone_ms_per_filled_step" in b:
+        print(f"  {name}, the same fills alone (the outputs' states replayed after the run, nothing else "
+              f"running): {b['fill_alone_ms_per_filled_step']} ms per filled step (median, {b['alone_fills']} "
+              f"fills of {b['alone_rows_per_fill']} rows): in the engine / alone = {b['fill_engine_over_alone']}")
 
 
-def timed_runs(llm: LLM, prompts, runs: dict[str, list[SamplingParams]], breakdown: StepBreakdown) -> dict:
-    """Each run of `runs` once, timed, with its breakdown."""
+def constrained_now(seq: Sequence) -> bool:
+    """Whether `seq`'s next token is sampled under its grammar (fill_token_bitmask's rows)."""
+    return seq.grammar is not None and not seq.is_finished and seq.grammar.is_active
+
+
+def fill_alone(llm: LLM, run_params: list[SamplingParams], outputs) -> dict:
+    """A run's bitmask fills again, alone: fresh matchers of the engine's own compiled grammar
+    follow each constrained output token by token, and before each token the same
+    `fill_token_bitmask` fills the rows still under their grammar (free rows between them,
+    as in the run's batch) on the engine's device, with nothing else running. The states
+    are the engine's; what differs from the run is only what ran beside the fill."""
+    from nanovllm.engine import sampling_metadata
+    engine = llm.llm_engine
+    rows = []  # (sequence, its output token ids)
+    for params, output in zip(run_params, outputs):
+        seq = Sequence([1])
+        if params.structured_outputs is not None:
+            seq.grammar = engine.structured_outputs.grammar_for(params.structured_outputs,
+                                                                frozenset(params.stop_token_ids))
+        rows.append((seq, output.outputs[0].token_ids))
+    fill = getattr(sampling_metadata.fill_token_bitmask, "__wrapped__", sampling_metadata.fill_token_bitmask)
+    vocab, device = engine.model_config.vocab_size, engine.model_runner.device
+    times, num_rows = [], 0
+    for step in range(max(len(token_ids) for _, token_ids in rows)):
+        for seq, token_ids in rows:
+            if step == len(token_ids):
+                seq.finish("length")
+        seqs = [seq for seq, _ in rows]
+        start = time.perf_counter()
+        bitmask = fill(seqs, vocab, device)
+        if bitmask is None:
+            break
+        times.append((time.perf_counter() - start) * 1e3)  # timed as in the run: the copy is queued
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # untimed: the copy lands before the next fill, as in a run
+        num_rows += sum(constrained_now(seq) for seq in seqs)
+        for seq, token_ids in rows:
+            if seq.grammar is not None and not seq.is_finished:
+                seq.grammar.accept(token_ids[step])
+    return dict(fill_alone_ms_per_filled_step=round(statistics.median(times), 3) if times else 0.0,
+                alone_fills=len(times), alone_rows_per_fill=round(num_rows / max(1, len(times)), 1))
+
+
+def full_bitmask_first() -> None:
+    """The eighth session's order, for an A/B in one call: a torch.full of the whole batch's
+    bitmask on the host (a parallel CPU op from 8 rows of a 152k vocabulary up) right before
+    each fill, as fill_token_bitmask made its bitmask then."""
+    from nanovllm.engine import sampling_metadata
+    fill = sampling_metadata.fill_token_bitmask
+
+    @functools.wraps(fill)
+    def after_full(seqs, vocab_size, device):
+        if any(constrained_now(seq) for seq in seqs):
+            words = -(-vocab_size // sampling_metadata.BITS_PER_WORD)
+            torch.full((len(seqs), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        return fill(seqs, vocab_size, device)
+    sampling_metadata.fill_token_bitmask = after_full
+
+
+def timed_runs(llm: LLM, prompts, runs: dict[str, list[SamplingParams]], breakdown: StepBreakdown,
+               histories: dict | None = None) -> dict:
+    """Each run of `runs` once, timed, with its breakdown (and its fills replayed alone);
+    `histories`: gets each run's constrained outputs (token ids) by run name."""
     result = {}
     for name, run_params in runs.items():
         breakdown.take()
@@ -143,10 +247,20 @@ def timed_runs(llm: LLM, prompts, runs: dict[str, list[SamplingParams]], breakdo
         outputs = llm.generate(prompts, run_params, use_tqdm=False)
         seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        b = breakdown.take()
+        b.update(wall_ms_per_step=round(seconds * 1e3 / b["steps"], 3),
+                 cpu_ms_per_step=round(cpu_s * 1e3 / b["steps"], 3))
+        if b["fills"]:
+            b.update(fill_alone(llm, run_params, outputs))
+            alone = max(1e-9, b["fill_alone_ms_per_filled_step"])
+            b["fill_engine_over_alone"] = round(b["fill_ms_per_filled_step"] / alone, 2)
+        if histories is not None:
+            histories[name] = [o.outputs[0].token_ids for o, p in zip(outputs, run_params)
+                               if p.structured_outputs is not None]
         # the process's CPU time: on a shared CPU machine, steadier than the wall time
         result[name] = {"seconds": round(seconds, 3), "cpu_s": round(cpu_s, 3), "output_tokens": tokens,
                         "tok_per_s": round(tokens / seconds, 1), "tok_per_cpu_s": round(tokens / cpu_s, 1),
-                        "breakdown": breakdown.take()}
+                        "breakdown": b}
         print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
               f"({cpu_s:.2f} s of this process's CPU time: {tokens / cpu_s:.1f} tok per CPU s)")
         _print_breakdown(name, result[name]["breakdown"])
@@ -170,7 +284,7 @@ def warm_up(llm: LLM) -> None:
     llm.generate([[i + 1] * 50 for i in range(WARMUP_PROMPTS)], warm, use_tqdm=False)
 
 
-def gpu_b1(tokenizer: str, small: bool) -> dict:
+def gpu_b1(tokenizer: str, small: bool, histories: dict | None = None) -> dict:
     from bench_offline import QWEN3_0_6B, SMALL, model_dir, workload
     cfg = SMALL if small else QWEN3_0_6B
     n, max_in, max_out = (16, 64, 64) if small else (256, 1024, 1024)
@@ -179,7 +293,8 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
     breakdown = StepBreakdown(llm)
     variants = VariantCounter().__enter__()  # Triton variants first met after start-up: should be none
     warm_up(llm)
-    result = timed_runs(llm, prompts, {"unconstrained": params, "half_json": half_constrained(params)}, breakdown)
+    result = timed_runs(llm, prompts, {"unconstrained": params, "half_json": half_constrained(params)}, breakdown,
+                        histories)
     variants.__exit__()
     result["variants_after_start"] = len(variants.names)
     print(f"Triton kernel variants first met after start-up: {len(variants.names)} {variants.names}")
@@ -188,7 +303,8 @@ def gpu_b1(tokenizer: str, small: bool) -> dict:
     return result
 
 
-def cpu_rounds(tokenizer_dir: str | None, vocab: int | None, repeats: int) -> dict:
+def cpu_rounds(tokenizer_dir: str | None, vocab: int | None, repeats: int, batch: int = CPU_ROUNDS_BATCH,
+               histories: dict | None = None) -> dict:
     """Free vs half constrained on a tiny CPU model, one-step vs multi-step rounds: `repeats`
     alternating pairs of runs per mode (this shared machine's speed drifts), medians."""
     from bench_offline import SMALL, model_dir, workload
@@ -199,16 +315,16 @@ def cpu_rounds(tokenizer_dir: str | None, vocab: int | None, repeats: int) -> di
     vocab = vocab or len(tokenizer)
     path = model_dir(dict(SMALL, vocab_size=vocab, torch_dtype="float32", eos_token_id=tokenizer.eos_token_id),
                      tokenizer_dir)
-    prompts, params = workload(CPU_ROUNDS_BATCH, CPU_ROUNDS_PROMPT, CPU_ROUNDS_TOKENS)
+    prompts, params = workload(batch, CPU_ROUNDS_PROMPT, CPU_ROUNDS_TOKENS)
     runs = {"unconstrained": params, "half_json": half_constrained(params)}
     result = {}
     for steps in (1, CPU_ROUNDS_STEPS):
         print(f"num_scheduler_steps={steps}:")
         with LLM(path, load_format="dummy", device="cpu", dtype="float32", max_model_len=1024,
-                 num_kvcache_blocks=256, num_scheduler_steps=steps, max_num_seqs=CPU_ROUNDS_BATCH) as llm:
+                 num_kvcache_blocks=256, num_scheduler_steps=steps, max_num_seqs=batch) as llm:
             breakdown = StepBreakdown(llm)
             warm_up(llm)
-            pairs = [timed_runs(llm, prompts, runs, breakdown) for _ in range(repeats)]
+            pairs = [timed_runs(llm, prompts, runs, breakdown, histories) for _ in range(repeats)]
         mode = {name: pairs[-1][name] for name in runs}  # the last pair's figures and breakdown
         for name in runs:
             for key in ("tok_per_s", "tok_per_cpu_s"):
@@ -223,7 +339,6 @@ def cpu_rounds(tokenizer_dir: str | None, vocab: int | None, repeats: int) -> di
 
 def cpu_mask(tokenizer_dir: str | None, vocab: int | None) -> dict:
     from nanovllm.engine.sampling_metadata import fill_token_bitmask
-    from nanovllm.engine.sequence import Sequence
     from nanovllm.layers.sampler import apply_token_bitmask
     from nanovllm.structured_outputs.manager import StructuredOutputManager
     tokenizer = _tokenizer(tokenizer_dir)
@@ -281,22 +396,40 @@ def main() -> None:
     ap.add_argument("--cpu-rounds", action="store_true",
                     help="free vs half constrained on a tiny CPU model, one-step vs multi-step rounds")
     ap.add_argument("--repeats", type=int, default=3, help="--cpu-rounds: alternating pairs of runs per mode")
+    ap.add_argument("--batch", type=int, default=CPU_ROUNDS_BATCH, help="--cpu-rounds: requests per run")
     ap.add_argument("--small", action="store_true", help="a tiny GPU smoke run")
     ap.add_argument("--fill-threads", type=int, default=None,
                     help="threads filling each step's bitmasks (default: the engine's)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch.set_num_threads before the engine starts (default: torch's, one per core)")
+    ap.add_argument("--full-bitmask-first", action="store_true",
+                    help="a torch.full of the batch's bitmask before each fill (the order before the ninth session)")
+    ap.add_argument("--save-histories", default=None, metavar="FILE",
+                    help="write the half-constrained run's constrained outputs (token ids, JSON) to FILE, "
+                         "for bench_bitmask_fill.py --histories")
     args = ap.parse_args()
     if args.fill_threads is not None:
         from nanovllm.structured_outputs.backend import set_fill_threads
         set_fill_threads(args.fill_threads)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    if args.full_bitmask_first:
+        full_bitmask_first()
+    histories = {} if args.save_histories else None
     if args.cpu_mask:
         result = {"benchmark": "structured_cpu_mask", **cpu_mask(args.tokenizer, args.vocab)}
     elif args.cpu_rounds:
-        result = {"benchmark": "structured_cpu_rounds", **cpu_rounds(args.tokenizer, args.vocab, args.repeats)}
+        result = {"benchmark": "structured_cpu_rounds",
+                  **cpu_rounds(args.tokenizer, args.vocab, args.repeats, args.batch, histories)}
     else:
         if args.tokenizer is None:
             ap.error("the GPU run needs --tokenizer DIR (the grammar is compiled against its vocabulary)")
-        result = {"benchmark": "structured_b1", **gpu_b1(args.tokenizer, args.small)}
-    print(json.dumps({**result, "fill_threads": args.fill_threads}))
+        result = {"benchmark": "structured_b1", **gpu_b1(args.tokenizer, args.small, histories)}
+    if histories:
+        with open(args.save_histories, "w") as f:
+            json.dump({"schema": UNBOUNDED, "histories": histories.get("half_json", [])}, f)
+    print(json.dumps({**result, "fill_threads": args.fill_threads, "torch_threads": torch.get_num_threads(),
+                      "full_bitmask_first": args.full_bitmask_first}))
 
 
 if __name__ == "__main__":

@@ -201,11 +201,20 @@ def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.devi
             if seq.grammar is not None and not seq.is_finished and seq.grammar.is_active]
     if not rows:
         return None
+    words = -(-vocab_size // BITS_PER_WORD)
+    # Only the constrained rows are filled on the host, into memory nothing touches first
+    # (xgrammar writes every word of a row); the free rows are set on the device. A
+    # torch.full of the whole batch here was a parallel CPU op, whose OpenMP threads then
+    # spun through the fill and took the cores from xgrammar's threads.
     pin = device.type == "cuda"  # filled in pinned memory, copied without a sync
-    bitmask = torch.full((len(seqs), -(-vocab_size // BITS_PER_WORD)), -1, dtype=torch.int32,
-                         pin_memory=pin)  # [num_seqs, words]
-    fill_bitmasks([seqs[row].grammar.matcher for row in rows], bitmask, rows)
-    return bitmask.to(device, non_blocking=pin)
+    filled = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=pin)  # [num_rows, words]
+    fill_bitmasks([seqs[row].grammar.matcher for row in rows], filled, list(range(len(rows))))
+    filled = filled.to(device, non_blocking=pin)
+    if len(rows) == len(seqs):
+        return filled
+    bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32, device=device)  # [num_seqs, words]
+    bitmask[_tensor(rows, torch.int64, device)] = filled
+    return bitmask
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
