@@ -4,9 +4,12 @@
 # itself (bench_offline.py, the first timed call) with the variant that replayed fastest for each
 # dtype (the engine's defaults where those won). One log per step under $OUT. Steps (STEPS):
 #   tests       the attention/store kernels natively against the torch reference
-#   attn_fp8 / attn_bf16   bench_b1_attention.py over FP8_VARIANTS / BF16_VARIANTS
+#   attn_fp8 / attn_bf16   bench_b1_attention.py over FP8_VARIANTS / BF16_VARIANTS; OLD_KERNELS=FILE
+#               adds a copy of kernels/triton_attn.py to both (an A/B of a kernel change)
 #   b1_fp8 / b1_bf16       B1 with the fastest replayed variant of this call (--attn-constants);
 #               skipped where the engine's default replayed fastest, unless B1_DEFAULTS=1
+#   b8          the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b; not in
+#               the default STEPS)
 #   ncu         Nsight Compute over one warm decode launch of a B1-sized batch per cache dtype
 #               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput
 #
@@ -22,6 +25,7 @@ EVERY=${EVERY:-128}
 FP8_VARIANTS=${FP8_VARIANTS:-base,f8vkm,f8vkm_r168,f8vkm64_r128,f8vkm128w8_r128,f8n64_r128}
 BF16_VARIANTS=${BF16_VARIANTS:-base,n64s2_r128,n64s3_r128}
 TESTS=${TESTS:-"tests/test_decode_tiles.py tests/test_fp8_kv_kernels.py tests/test_triton_attn.py tests/test_triton_ops.py"}
+KERNELS=${OLD_KERNELS:+--kernels old=$OLD_KERNELS}
 PROFILE=${PROFILE---profile}  # PROFILE= for B1 without its per-kernel profile run
 # shared-memory wavefronts and bank conflicts, instructions, and each stall reason (cycles per instruction)
 NCU_METRICS=${NCU_METRICS:-l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed.sum,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio}
@@ -63,11 +67,12 @@ for step in $STEPS; do
   case $step in
     tests) run_step tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -n 8 $TESTS ;;
     attn_fp8) run_step attn_fp8 110 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
-              --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" ;;
+              --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" $KERNELS ;;
     attn_bf16) run_step attn_bf16 60 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
-               --kv-cache-dtype auto --variants "$BF16_VARIANTS" ;;
+               --kv-cache-dtype auto --variants "$BF16_VARIANTS" $KERNELS ;;
     b1_fp8) b1 b1_fp8 attn_fp8 fp8 --kv-cache-dtype fp8 ;;
     b1_bf16) b1 b1_bf16 attn_bf16 auto ;;
+    b8) run_step b8 "${B8_LIMIT:-150}" python3 benchmarks/bench_fp8.py b1-8b ;;
     ncu) ncu_step fp8; ncu_step auto ;;
     *) echo "unknown step $step" ;;
   esac
