@@ -3,12 +3,13 @@
 torch's CPU `argmax` along the last dimension runs a scalar loop: for one decode step of
 64 sequences over SmolLM2's 49,152-token vocabulary it took 17.8 ms on one thread of the
 AVX2 machine of benchmarks/RESULTS.md ("B2 CPU, round 4"), against 2.5 ms for `amax` over
-the same values split into chunks of 1,024 (a vectorized reduction). So the argmax is
-taken in two steps:
+the same values split into chunks of 1,024 (a vectorized reduction), and about 2.2 ms for
+the whole two-step argmax below in an engine's trace. The two steps:
 
-1. the maximum of each chunk of `CHUNK` columns, `[rows, vocab / CHUNK]`, and the first chunk
-   holding the row's maximum (a small argmax);
-2. the first position of that maximum inside that chunk (an argmax over `CHUNK` values).
+1. the maximum of each chunk of `chunk` columns (the first of `CHUNKS` that divides the
+   vocabulary), `[rows, vocab / chunk]`, and the first chunk holding the row's maximum
+   (a small argmax);
+2. the first position of that maximum inside that chunk (an argmax over `chunk` values).
 
 That is exactly torch's answer, ties included (the lowest index wins: the first chunk
 holding the maximum, then the first position in it), NaN included (`amax` and `argmax`
