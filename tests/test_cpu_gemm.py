@@ -1,7 +1,8 @@
 """CPU dense products by oneDNN-packed weights (kernels/cpu_gemm.py, kernels/cpu_linear.py).
 
 - The packed product equals the fp64 product to fp32 rounding, with and without bias, for
-  one row (the column-major `F.linear` path), a few rows and a prefill-sized batch.
+  one row (the column-major `F.linear` path), a few rows and a prefill-sized batch; a layer
+  that kept only its packed copy runs it for one row as well.
 - A CPU engine gives every dense fp32 linear layer and its LM head a packed copy, and its
   greedy ids equal those of the same engine with packing off, or part only at a near-tie
   (each side's token in the other's top-5).
@@ -26,6 +27,15 @@ def test_packed_product_matches_fp64(rows, with_bias):
     y = cpu_gemm.dense_linear(x, w, bias, cpu_gemm.pack(w))
     assert y.shape == (rows, 96) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_packed_copy_alone_serves_every_row_count(rows):
+    """A layer that kept only its packed copy (weight None) runs it for one row too."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x, bias = torch.randn(96, 160, generator=gen), torch.randn(rows, 160, generator=gen), torch.randn(96, generator=gen)
+    y = cpu_gemm.dense_linear(x, None, bias, cpu_gemm.pack(w))
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t() + bias.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_bf16_input_takes_the_plain_product():

@@ -3,7 +3,8 @@
 - Each 4-bit GGUF type's int4 form (q, scale, zero) gives back `gguf.quants.dequantize`'s
   values to fp32 rounding, and the int4 kernel's product equals the dequantized product: to
   fp32 rounding with fp32 activations, within its measured bf16 error with bf16 ones.
-- Loading the embedded SmolLM2 (Q4_1) packs every linear layer; its greedy ids equal the
+- Loading the embedded SmolLM2 (Q4_1) packs every linear layer and keeps no dense fp32 copy
+  beside the int4 and oneDNN-packed ones; its greedy ids equal the
   dequantized path's, or part only at a near-tie (each side's token in the other's top-5);
   it still answers Paris.
 - Options: dtype="float32" and quantization="gguf_dequant" load dense; an unknown name fails.
@@ -103,6 +104,19 @@ def test_embedded_model_layers_are_packed(engines):
     quantized, dequantized = engines
     assert _packed(quantized) == 30 * 4  # qkv, o, gate_up, down in each of 30 layers
     assert _packed(dequantized) == 0
+
+
+def test_int4_layers_keep_no_dense_weight(engines):
+    """Batches past int4's rows run the oneDNN-packed copy, so the dense fp32 weight is dropped
+    (only where that copy exists); the dequantized engine keeps every dense weight."""
+    from nanovllm.layers.linear import LinearBase
+    quantized, dequantized = engines
+    layers = [m for m in quantized.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+    if not any(hasattr(m, "packed_weight") for m in layers):  # bf16 engines (AVX512-BF16) pack nothing
+        pytest.skip("no fp32 packed copy on this machine: the dense weight serves the large batches")
+    assert len(layers) == 30 * 4 and all(m.weight is None and m.packed_weight is not None for m in layers)
+    model = dequantized.llm_engine.model_runner.model
+    assert all(m.weight is not None for m in model.modules() if isinstance(m, LinearBase))
 
 
 def test_int4_greedy_ids_match_dequantized(engines):

@@ -45,10 +45,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def dense_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                  packed: torch.Tensor | None) -> torch.Tensor:
     """x [num_tokens, in] @ weight.T (+ bias) -> [num_tokens, out]; by the packed weight
-    where there is one and the batch has PACKED_MIN_ROWS rows or more."""
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == torch.float32:
+    where there is one and the batch has PACKED_MIN_ROWS rows or more, or where only the
+    packed copy is kept (`weight` None: kernels/cpu_linear.py drops what no batch reads)."""
+    if packed is not None and x.dtype == torch.float32 and (weight is None or x.shape[0] >= PACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    assert weight is not None, "a layer without its dense weight got a batch its packed copy cannot run"
     return F.linear(x, weight, bias)

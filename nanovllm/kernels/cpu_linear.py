@@ -21,6 +21,12 @@ attribute of the layer, not a parameter), which products of 3 rows and more run 
 faster than either layout there (kernels/cpu_gemm.py has the figures). The copy is made
 once, after loading: code that changed a weight later would have to pack it again
 (nothing in the engine does).
+
+A layer whose quantization method runs its own kernel for small batches (GGUF 4-bit and
+`quantization="int4"/"int8"` layers: `own_kernel_max_rows`) up to where the packed product
+takes over reads its dense weight for no batch at all: it keeps only the packed copy
+(`layer.weight` becomes None), and the dense fp32 bytes are freed (SmolLM2's embedded
+Q4_1 file: 424 MB; benchmarks/RESULTS.md "B2 CPU, round 4").
 """
 import torch
 from torch import nn
@@ -32,7 +38,8 @@ from nanovllm.layers.linear import LinearBase
 
 def use_column_major_weights(model: nn.Module) -> None:
     """Re-lay the dense weight of every linear layer and of the LM head column-major, in place,
-    and give each fp32 one its oneDNN-packed copy (`module.packed_weight`)."""
+    and give each fp32 one its oneDNN-packed copy (`module.packed_weight`); drop the dense
+    weight of a layer whose batches all run its own kernel or the packed copy."""
     done = set()
     pack = cpu_gemm.can_pack()
     for module in model.modules():
@@ -40,11 +47,22 @@ def use_column_major_weights(model: nn.Module) -> None:
                                                         and module.quant_method.is_dense)
         if not dense:
             continue
+        packs = pack and module.weight.dtype == torch.float32
+        if packs and _dense_weight_unread(module):
+            module.packed_weight = cpu_gemm.pack(module.weight.data)
+            module.weight = None  # every batch: the method's own kernel or the packed copy
+            continue
         if id(module.weight) not in done:
             done.add(id(module.weight))
             module.weight.data = _column_major(module.weight.data)
-        if pack and module.weight.dtype == torch.float32:
+        if packs:
             module.packed_weight = cpu_gemm.pack(module.weight.data)
+
+
+def _dense_weight_unread(module: nn.Module) -> bool:
+    """Batches below PACKED_MIN_ROWS all run the layer's own kernel (the rest the packed copy)."""
+    method = getattr(module, "quant_method", None)
+    return method is not None and method.own_kernel_max_rows >= cpu_gemm.PACKED_MIN_ROWS - 1
 
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:

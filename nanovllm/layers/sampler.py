@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from nanovllm.kernels.cpu_argmax import argmax_rows
+
 if TYPE_CHECKING:  # sampling_metadata imports this module
     from nanovllm.engine.sampling_metadata import SamplingMetadata
 
@@ -87,9 +89,9 @@ class Sampler(nn.Module):
         if self.fuses(logits, metadata):
             return self.fused_sample(logits, metadata)
         if metadata.all_greedy:
-            return logits.argmax(-1)
+            return argmax_rows(logits)
         logits = logits.float()
-        greedy = None if metadata.all_random else logits.argmax(-1)
+        greedy = None if metadata.all_random else argmax_rows(logits)
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
@@ -122,7 +124,7 @@ class Sampler(nn.Module):
         for row, seed in seeds.items():
             generator.manual_seed(seed)
             q[row].exponential_(generator=generator)
-        return probs.div_(q.clamp_min_(MIN_EXPONENTIAL)).argmax(-1)
+        return argmax_rows(probs.div_(q.clamp_min_(MIN_EXPONENTIAL)))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

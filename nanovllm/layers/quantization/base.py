@@ -53,6 +53,12 @@ class LinearMethod:
         (the CPU's column-major re-layout) may rewrite."""
         return False
 
+    @property
+    def own_kernel_max_rows(self) -> int:
+        """Batches of up to this many tokens run the method's own kernel (int4, int8) and never
+        read a dense `layer.weight`; 0 when every batch reads it."""
+        return 0
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight in the engine's dtype; the product is `F.linear` (on the CPU, oneDNN's

@@ -75,6 +75,10 @@ class CPUIntLinearMethod(UnquantizedLinearMethod):
             q, scale = quantize_int8(w)
             self.packed = (q, scale.to(torch.bfloat16))
 
+    @property
+    def own_kernel_max_rows(self) -> int:
+        return 0 if self.packed is None else self.max_rows
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.max_rows:
             return super().apply(layer, x, bias)

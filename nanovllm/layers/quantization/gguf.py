@@ -131,6 +131,10 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         return (q[:, start:start + in_features], scale[:, start // group:(start + in_features) // group],
                 zero[:, start // group:(start + in_features) // group])
 
+    @property
+    def own_kernel_max_rows(self) -> int:
+        return 0 if self.packed is None else self.max_int4_rows
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None or x.shape[0] > self.max_int4_rows:
             return super().apply(layer, x, bias)
