@@ -198,6 +198,14 @@ def test_greedy_matches_hf(family, tiny_model, engines, reference):
     check_batch(family, tiny_model, reference, llm, random_prompts(PROMPT_LENS, seed=1))
 
 
+def test_layers_share_one_rope_table(family, engines):
+    """Every layer rotates by one cos/sin table (one copy in memory, one lookup a step on the
+    CPU); the greedy test above checks the rotation itself against HF."""
+    model = engines(family, "plain").llm_engine.model_runner.model
+    tables = {layer.self_attn.rotary_emb.cos_sin_cache.data_ptr() for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1
+
+
 def test_greedy_matches_hf_with_chunked_prefill(family, tiny_model, engines, reference, monkeypatch):
     llm = engines(family, "chunked")
     scheduler = llm.llm_engine.scheduler

@@ -22,7 +22,7 @@ from nanovllm.utils.context import get_context
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
@@ -30,7 +30,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(d, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_emb = rotary_emb  # one for all layers: the same cos/sin table
         scale = d ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
         self.attn = Attention(self.num_heads, d, scale, self.num_kv_heads)
         if cfg.qk_norm:
@@ -62,9 +62,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int, layer: int):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, layer: int):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, max_position)
+        self.self_attn = DecoderAttention(cfg, rotary_emb)
         self.mlp = SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -88,7 +88,10 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, max_position, i) for i in range(cfg.num_hidden_layers)])
+        # every layer rotates by the same table ([max_position, head_dim] float32): one copy, and
+        # the CPU path looks up a step's cos/sin once for all layers (kernels/step_memo.py)
+        rotary_emb = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, rotary_emb, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_multiplier = cfg.embedding_multiplier
 
