@@ -1,6 +1,6 @@
 """The decode tile's variants against the torch reference: other tile shapes, and fp8 caches
-laid out heads-major or with V key-minor within each block (`triton_attn.new_kv_cache`), which must read and write the same
-values as the contiguous layout.
+laid out heads-major or with V key-minor within each block (`triton_attn.new_kv_cache`), which
+must read and write the same values as the contiguous layout.
 
 - `paged_attention` equals the torch reference over the contiguous cache with the same bytes:
   decodes with and without split-KV, a padded head size and 3 query heads per KV head (rows
@@ -17,14 +17,14 @@ import secrets
 import pytest
 import torch
 
-from nanovllm.kernels import fused_ops, kv_quant, torch_ref
+from nanovllm.kernels import fused_ops, kv_quant
+from paged_batches import assert_attention_close, random_kv_scales, random_paged_batch, reference_attention
 from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 CHILD_TIMEOUT_S = 120
 Q_DTYPES = [torch.float16] + ([torch.float32, torch.bfloat16] if HAS_CUDA else [])
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 FP8 = torch.float8_e4m3fn
 
 
@@ -97,43 +97,14 @@ def test_paged_attention_decode_tiles(gen, monkeypatch, variant, case, cache_dty
     if not fp8:  # a 16-bit cache holds the queries' dtype
         dtype = cache_dtype = dtype if dtype != torch.float32 else torch.float16
     seqs, heads, kv_heads, d, block_size, kwargs = CASES[case]
-    ctx_lens = [c + n for c, n in seqs]
-    per_seq = [-(-n // block_size) for n in ctx_lens]
-    num_blocks = sum(per_seq) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(seqs), max(per_seq) + 1), -1, dtype=torch.int32)
-    shape = (num_blocks, block_size, kv_heads, d)
-    # NaN where nothing was written (fp8 0xFF in both formats): an unmasked read shows
-    k_cache = torch.full(shape, 0xFF, dtype=torch.uint8).view(cache_dtype) if fp8 else \
-        torch.full(shape, float("nan"), dtype=cache_dtype)
-    v_cache = k_cache.clone()
-    k_scale, v_scale = [(0.005 + 0.02 * torch.rand(kv_heads, generator=gen)) if fp8 else None for _ in range(2)]
-    for b, (ctx, nb) in enumerate(zip(ctx_lens, per_seq)):
-        blocks = torch.tensor([order.pop() for _ in range(nb)])
-        tables[b, :nb] = blocks
-        k = torch.randn(ctx, kv_heads, d, generator=gen) * (0.02 if fp8 else 0.5)
-        v = torch.randn(ctx, kv_heads, d, generator=gen) * (0.02 if fp8 else 1.0)
-        if not fp8:
-            k, v = k.to(cache_dtype), v.to(cache_dtype)
-        torch_ref.store_kvcache(k, v, k_cache, v_cache, torch_ref.context_slots(blocks, ctx, block_size),
-                                k_scale, v_scale)
-    q_lens = [n for _, n in seqs]
-    batch = dict(cu_seqlens_q=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
-                 seq_lens_k=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=tables)
-    q = torch.randn(sum(q_lens), heads, d, generator=gen)
-    if not fp8:
-        q = q.to(cache_dtype)
-    expected = torch_ref.paged_attention(q, k_cache, v_cache, **batch, scale=d ** -0.5,
-                                         k_scale=k_scale, v_scale=v_scale).float()
-    k_in, v_in = _relayout(k_cache.to(DEVICE), k_layout), _relayout(v_cache.to(DEVICE), v_layout)
-    scales = dict(k_scale=k_scale.to(DEVICE), v_scale=v_scale.to(DEVICE)) if fp8 else {}
+    paged = random_paged_batch(gen, seqs, heads, kv_heads, d, block_size, cache_dtype)
+    k_in = _relayout(paged["k_cache"].to(DEVICE), k_layout)
+    v_in = _relayout(paged["v_cache"].to(DEVICE), v_layout)
+    scales = dict(k_scale=paged["k_scale"].to(DEVICE), v_scale=paged["v_scale"].to(DEVICE)) if fp8 else {}
     got = triton_attn.paged_attention(
-        q.to(dtype=dtype, device=DEVICE), k_in, v_in,
-        **{name: t.to(DEVICE) for name, t in batch.items()}, scale=d ** -0.5, **scales, **kwargs).float().cpu()
-    seed = f"seed {gen.initial_seed()}"
-    assert not got.isnan().any(), f"NaN in output (an unmasked read), {seed}"
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"{m}\n{seed}")
+        paged["q"].to(dtype=dtype, device=DEVICE), k_in, v_in,
+        **{name: t.to(DEVICE) for name, t in paged["batch"].items()}, scale=d ** -0.5, **scales, **kwargs).float().cpu()
+    assert_attention_close(got, reference_attention(paged), dtype, gen)
 
 
 @needs_kernels
@@ -144,7 +115,7 @@ def test_stores_write_the_same_bytes_in_every_layout(gen):
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     tokens, heads, kv_heads, d, max_pos, blocks, block_size = 6, 4, 2, 32, 64, 5, 4
     slots = torch.tensor([3, 17, -1, 0, 19, 8], device=DEVICE)
-    k_scale, v_scale = [(0.005 + 0.02 * torch.rand(kv_heads, generator=gen)).to(DEVICE) for _ in range(2)]
+    k_scale, v_scale = [random_kv_scales(gen, kv_heads).to(DEVICE) for _ in range(2)]
     shape = (blocks, block_size, kv_heads, d)
     seed = f"seed {gen.initial_seed()}"
 

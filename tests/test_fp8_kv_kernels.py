@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from nanovllm.kernels import fused_ops, kv_quant, torch_ref
+from paged_batches import (TOLERANCE, assert_attention_close, random_kv_scales, random_paged_batch,
+                           reference_attention)
 from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -28,8 +30,6 @@ Q_DTYPES = [torch.float16] + ([torch.float32, torch.bfloat16] if HAS_CUDA else [
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 needs_gpu_store = pytest.mark.skipif(not HAS_CUDA, reason="the interpreter's fp32 -> fp8 cast is wrong "
                                      "where rounding carries (see the module docstring)")
-# the same fp8 cache on both sides: only the queries' dtype and summation order differ
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.skipif(RUN_HERE or not HAS_TRITON, reason="kernels run in this process")
@@ -43,7 +43,7 @@ def gen():
 
 
 def _scales(gen, heads: int) -> torch.Tensor:
-    return (0.005 + 0.02 * torch.rand(heads, generator=gen)).to(DEVICE)  # per head, all different
+    return random_kv_scales(gen, heads).to(DEVICE)
 
 
 @needs_gpu_store
@@ -111,37 +111,13 @@ CASES = {
 def test_paged_attention_over_an_fp8_cache(gen, case, dtype, cache_dtype):
     from nanovllm.kernels import triton_attn
     seqs, heads, kv_heads, d, block_size, kwargs = CASES[case]
-    ctx_lens = [c + n for c, n in seqs]
-    per_seq = [-(-n // block_size) for n in ctx_lens]
-    num_blocks = sum(per_seq) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = torch.full((len(seqs), max(per_seq) + 1), -1, dtype=torch.int32)
-    shape = (num_blocks, block_size, kv_heads, d)
-    # unowned slots hold fp8 NaN bytes (0x7F / 0xFF in both formats): an unmasked read shows
-    k_cache = torch.full(shape, 0xFF, dtype=torch.uint8).view(cache_dtype)
-    v_cache = torch.full(shape, 0xFF, dtype=torch.uint8).view(cache_dtype)
-    k_scale, v_scale = _scales(gen, kv_heads).cpu(), _scales(gen, kv_heads).cpu()
-    for b, (ctx, nb) in enumerate(zip(ctx_lens, per_seq)):
-        blocks = torch.tensor([order.pop() for _ in range(nb)])
-        tables[b, :nb] = blocks
-        slots = torch_ref.context_slots(blocks, ctx, block_size)
-        k = torch.randn(ctx, kv_heads, d, generator=gen) * 0.02
-        v = torch.randn(ctx, kv_heads, d, generator=gen) * 0.02
-        torch_ref.store_kvcache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
-    q_lens = [n for _, n in seqs]
-    batch = dict(cu_seqlens_q=torch.tensor([0] + q_lens).cumsum(0).to(torch.int32),
-                 seq_lens_k=torch.tensor(ctx_lens, dtype=torch.int32), block_tables=tables)
-    q = torch.randn(sum(q_lens), heads, d, generator=gen)
-    expected = torch_ref.paged_attention(q, k_cache, v_cache, **batch, scale=d ** -0.5,
-                                         k_scale=k_scale, v_scale=v_scale)
-    on_device = {name: t.to(DEVICE) for name, t in batch.items()}
-    got = triton_attn.paged_attention(q.to(dtype=dtype, device=DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
-                                      **on_device, scale=d ** -0.5, k_scale=k_scale.to(DEVICE),
-                                      v_scale=v_scale.to(DEVICE), **kwargs).float().cpu()
-    seed = f"seed {gen.initial_seed()}"
-    assert not got.isnan().any(), f"NaN in output (an unmasked read), {seed}"
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=lambda m: f"{m}\n{seed}")
+    paged = random_paged_batch(gen, seqs, heads, kv_heads, d, block_size, cache_dtype)
+    on_device = {name: t.to(DEVICE) for name, t in paged["batch"].items()}
+    got = triton_attn.paged_attention(paged["q"].to(dtype=dtype, device=DEVICE), paged["k_cache"].to(DEVICE),
+                                      paged["v_cache"].to(DEVICE), **on_device, scale=d ** -0.5,
+                                      k_scale=paged["k_scale"].to(DEVICE), v_scale=paged["v_scale"].to(DEVICE),
+                                      **kwargs).float().cpu()
+    assert_attention_close(got, reference_attention(paged), dtype, gen)
 
 
 def test_quantize_rounds_and_clips_like_torch():
