@@ -47,9 +47,10 @@ CUDA graph. Head sizes that are not a power of two are padded and masked.
 Decode-tile options, all off by default (each replayed slower than the default tile over
 B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
 kept as module constants so benchmarks can set them: `DECODE_*_MAXNREG` (a register cap),
-and for an fp8 cache `new_kv_cache`'s layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's block rows adjacent per dimension, so
-the decode tile feeds V to the tensor cores from the fp8 bytes as it does K); the kernels read
-every layout through strides (V's dimension stride included, `V_KEY_MINOR` from it).
+and for an fp8 cache `new_kv_cache`'s layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's
+block rows adjacent per dimension, so the decode tile feeds V to the tensor cores from the fp8
+bytes as it does K); the kernels read every layout through strides (V's dimension stride
+included, `V_KEY_MINOR` from it).
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
@@ -448,8 +449,8 @@ def _check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
 
 
 def _check_v_layout(v_cache: torch.Tensor) -> bool:
-    """Whether V is laid out key-minor within a block (`v_key_minor_layout`); else its last
-    dimension must be contiguous."""
+    """Whether V is laid out key-minor within a block (`new_kv_cache` with FP8_V_KEY_MINOR);
+    else its last dimension must be contiguous."""
     if v_cache.stride(-1) == 1:
         return False
     if v_cache.stride(1) != 1:
@@ -542,18 +543,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
-    args = (out, part_out, part_lse, q, k_cache, v_cache,
-            cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-            k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
-    common = dict(QPK=qpk, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
-                  IS_SPLIT=num_splits > 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  KV_FP8=kv_fp8, FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
-        *args, QPK_PAD=triton.next_power_of_2(qpk), **common, **cfg)
+        out, part_out, part_lse, q, k_cache, v_cache,
+        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
+        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor, **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
