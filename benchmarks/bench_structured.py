@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanovllm.engine.decode_round import StepLauncher  # noqa: E402
+from nanovllm.engine.sampling_metadata import samples_under_grammar  # noqa: E402
 from nanovllm.engine.sequence import Sequence  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
@@ -114,7 +115,7 @@ class StepBreakdown:
             if bitmask is not None:  # a step with an active grammar row
                 ms = (time.perf_counter() - start) * 1e3
                 self.counts["fills"] += 1
-                self.counts["filled_rows"] += sum(constrained_now(seq) for seq in seqs)
+                self.counts["filled_rows"] += sum(samples_under_grammar(seq) for seq in seqs)
                 self.fill_ms.append(ms)
                 self.seconds["fill_s"] += ms / 1e3
             return bitmask
@@ -177,11 +178,6 @@ def _print_breakdown(name: str, b: dict) -> None:
               f"fills of {b['alone_rows_per_fill']} rows): in the engine / alone = {b['fill_engine_over_alone']}")
 
 
-def constrained_now(seq: Sequence) -> bool:
-    """Whether `seq`'s next token is sampled under its grammar (fill_token_bitmask's rows)."""
-    return seq.grammar is not None and not seq.is_finished and seq.grammar.is_active
-
-
 def fill_alone(llm: LLM, run_params: list[SamplingParams], outputs) -> dict:
     """A run's bitmask fills again, alone: fresh matchers of the engine's own compiled grammar
     follow each constrained output token by token, and before each token the same
@@ -212,7 +208,7 @@ def fill_alone(llm: LLM, run_params: list[SamplingParams], outputs) -> dict:
         times.append((time.perf_counter() - start) * 1e3)  # timed as in the run: the copy is queued
         if device.type == "cuda":
             torch.cuda.synchronize()  # untimed: the copy lands before the next fill, as in a run
-        num_rows += sum(constrained_now(seq) for seq in seqs)
+        num_rows += sum(samples_under_grammar(seq) for seq in seqs)
         for seq, token_ids in rows:
             if seq.grammar is not None and not seq.is_finished:
                 seq.grammar.accept(token_ids[step])
@@ -229,7 +225,7 @@ def full_bitmask_first() -> None:
 
     @functools.wraps(fill)
     def after_full(seqs, vocab_size, device):
-        if any(constrained_now(seq) for seq in seqs):
+        if any(samples_under_grammar(seq) for seq in seqs):
             words = -(-vocab_size // sampling_metadata.BITS_PER_WORD)
             torch.full((len(seqs), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         return fill(seqs, vocab_size, device)

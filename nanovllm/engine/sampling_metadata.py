@@ -193,12 +193,17 @@ def _logit_bias(seqs: list[Sequence], device: torch.device) -> tuple[torch.Tenso
             _tensor(biases, torch.float32, device))
 
 
+def samples_under_grammar(seq: Sequence) -> bool:
+    """Whether `seq`'s next token is sampled under its grammar: it has one, its grammar is
+    not done, and the sequence has not finished."""
+    return seq.grammar is not None and not seq.is_finished and seq.grammar.is_active
+
+
 def fill_token_bitmask(seqs: list[Sequence], vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """Structured outputs: the tokens each constrained row may sample next, from its matcher
     as it stands; every token in free rows, in rows whose grammar is done, and in rows of
     sequences that finished (a multi-step round computes them and drops their tokens)."""
-    rows = [row for row, seq in enumerate(seqs)
-            if seq.grammar is not None and not seq.is_finished and seq.grammar.is_active]
+    rows = [row for row, seq in enumerate(seqs) if samples_under_grammar(seq)]
     if not rows:
         return None
     words = -(-vocab_size // BITS_PER_WORD)
