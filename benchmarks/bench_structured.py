@@ -282,8 +282,10 @@ def warm_up(llm: LLM) -> None:
 
 def gpu_b1(tokenizer: str, small: bool, histories: dict | None = None) -> dict:
     from bench_offline import QWEN3_0_6B, SMALL, model_dir, workload
-    cfg = SMALL if small else QWEN3_0_6B
-    n, max_in, max_out = (16, 64, 64) if small else (256, 1024, 1024)
+    # The small run keeps the real vocabulary (the tokenizer's ids must fit) and workload()'s
+    # 100-token minimum lengths.
+    cfg = dict(SMALL, vocab_size=QWEN3_0_6B["vocab_size"]) if small else QWEN3_0_6B
+    n, max_in, max_out = (16, 128, 128) if small else (256, 1024, 1024)
     prompts, params = workload(n, max_in, max_out)
     llm = LLM(model_dir(cfg), load_format="dummy", tokenizer=tokenizer, max_model_len=4096)
     breakdown = StepBreakdown(llm)
