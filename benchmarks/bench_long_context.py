@@ -27,7 +27,7 @@ from random import randint, seed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir  # noqa: E402
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, set_attn_constants  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
@@ -138,7 +138,11 @@ def main():
     ap.add_argument("--splits", default="32,48,64,96,128,0", help="split factors of the kernel sweep (0: policy)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tile-sweep", action="store_true", help="also time the attention kernel at other tile shapes")
+    ap.add_argument("--attn-constants", metavar="JSON", default="{}",
+                    help="kernels/triton_attn.py tile constants to set first, e.g. "
+                         "'{\"PREFILL_BLOCK_N\": 64}' (an A/B of a tile against the default)")
     args = ap.parse_args()
+    set_attn_constants(json.loads(args.attn_constants))
     cfg = QWEN3_0_6B
     t0 = time.perf_counter()
     kwargs = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
@@ -158,6 +162,7 @@ def main():
     floor_s = decode_floor_s(cfg, PROMPT_LEN, DECODE_TOKENS, copy_bandwidth())
     result = {"bench": "long_context", "prompt_len": PROMPT_LEN, "load_s": round(load_s, 2),
               "max_num_batched_tokens": llm.llm_engine.config.max_num_batched_tokens,
+              "attn_constants": json.loads(args.attn_constants),
               "ttft_s": [round(t, 3) for t in ttfts], "ttft_median_s": round(statistics.median(ttfts), 3),
               "decode_tok_per_s": round(DECODE_TOKENS / decode_s, 1),
               "decode_floor_tok_per_s": round(DECODE_TOKENS / floor_s, 1),
