@@ -186,6 +186,16 @@ def test_paged_attention(poisoned_kernels, gen, case, dtype):
     _check_paged_attention(poisoned_kernels, gen, batch, dtype, head_dim ** -0.5, **kwargs)
 
 
+@pytest.mark.parametrize("case", ["long_prefill_hd96", "prefill_many_splits", "mixed_gqa2"])
+def test_large_prefill_tile(poisoned_kernels, gen, monkeypatch, case):
+    """The Hopper prefill tile (PREFILL_LARGE_*: 256 rows, 64 keys) forced on, on any
+    machine: partial query tiles, more splits than key tiles, decodes beside prefills."""
+    monkeypatch.setattr(poisoned_kernels, "_large_prefill_tile", lambda *args: True)
+    seqs, num_heads, num_kv_heads, head_dim, block_size, kwargs = ATTENTION_CASES[case]
+    batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, torch.float16)
+    _check_paged_attention(poisoned_kernels, gen, batch, torch.float16, head_dim ** -0.5, **kwargs)
+
+
 def _decodes(rnd, batch: int, max_ctx: int) -> list[tuple[int, int]]:
     return [(rnd(1, max_ctx) - 1, 1) for _ in range(batch)]
 

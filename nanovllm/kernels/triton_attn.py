@@ -54,9 +54,10 @@ included, `V_KEY_MINOR` from it).
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
-DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
-times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
-kernel 1, the store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
+DECODE_FP8_*; the prefill tile PREFILL_LARGE_* for a 16-bit cache on Hopper or later, else
+PREFILL_*) the attention kernel has 4, decode or prefill tiles times split or not
+(`IS_SPLIT`; the split count itself is a run-time argument), the combine kernel 1, the
+store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
 Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
@@ -84,6 +85,16 @@ PREFILL_BLOCK_M = 128   # rows of a prefill tile: query tokens x heads of one gr
 PREFILL_BLOCK_N = 32    # keys per KV tile in prefill
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 4  # K/V tiles in flight (software pipelining)
+# A larger prefill tile for 16-bit caches on Hopper and later (wgmma; ~160 KB of shared
+# memory, more than GPUs before Hopper have for one program): one 32k-token prompt's TTFT
+# 0.391 s against 0.434 with the tile above, B1 within 0.5% (24,739 against 24,860 tok/s),
+# on an H200 (bench_long_context.py / bench_offline.py --attn-constants, RESULTS.md "Tenth
+# session"). fp8 caches and fp32 queries keep the tile above (not measured with this one).
+PREFILL_LARGE_BLOCK_M = 256
+PREFILL_LARGE_BLOCK_N = 64
+PREFILL_LARGE_NUM_WARPS = 8
+PREFILL_LARGE_NUM_STAGES = 3
+PREFILL_LARGE_MIN_CAPABILITY = (9, 0)
 DECODE_BLOCK_N = 128    # keys per KV tile in decode
 DECODE_NUM_WARPS = 4
 # 2, not 3: B1's decode attention replayed took 3.73 s against 3.86 in two device calls, and
@@ -474,7 +485,13 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
 
 
-def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True) -> dict:
+def _large_prefill_tile(device: torch.device, q_dtype: torch.dtype, kv_fp8: bool) -> bool:
+    return (device.type == "cuda" and q_dtype in (torch.float16, torch.bfloat16) and not kv_fp8
+            and torch.cuda.get_device_capability(device) >= PREFILL_LARGE_MIN_CAPABILITY)
+
+
+def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True,
+                 large_prefill: bool = False) -> dict:
     """Tile shape and launch settings: decode tiles when no sequence has > 1 query."""
     if max_seqlen_q == 1:
         block_m = max(MIN_DOT_DIM, qpk_pad)
@@ -489,6 +506,10 @@ def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: 
         if maxnreg is not None and on_gpu:  # a compile option; Triton's interpreter takes none
             cfg["maxnreg"] = maxnreg
         return cfg
+    if large_prefill:
+        block_m = max(PREFILL_LARGE_BLOCK_M, qpk_pad)
+        return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_LARGE_BLOCK_N,
+                    num_warps=PREFILL_LARGE_NUM_WARPS, num_stages=PREFILL_LARGE_NUM_STAGES)
     block_m = max(PREFILL_BLOCK_M, qpk_pad)
     return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
                 num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
@@ -535,7 +556,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seqlen_q = num_tokens - num_seqs + 1
     qpk = num_heads // num_kv_heads
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
-    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda")
+    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
+                       _large_prefill_tile(q.device, q.dtype, kv_fp8))
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
