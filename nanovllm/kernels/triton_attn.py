@@ -108,6 +108,21 @@ FP8_V_KEY_MINOR = False
 # block of one KV head is block_size * head_dim contiguous bytes (2 KiB), not rows of 128 bytes
 # a KV head's width apart.
 FP8_HEADS_MAJOR = False
+# Decode tiles over an e4m3 cache with 16-bit queries run both products on the fp8 tensor cores
+# (vLLM's query quantization, as its FlashAttention-3 path does with an fp8 cache): each query
+# row is quantized to e4m3 with its own scale (its amax / FP8_E4M3_MAX, once per program);
+# S^T = K q^T from the fp8 bytes of K, softmax in fp32, P^T * P_FP8_SCALE quantized to e4m3,
+# O^T += V^T P^T from the fp8 bytes of V; the scales are folded into the fp32 accumulators and
+# no K or V value is converted. Written transposed so that the keys (and head_dim) are the
+# products' M >= 64 rows: Hopper's wgmma, operands straight from shared memory (a 16-row
+# mma.sync over fp8 operands is lowered by Triton 3.6 to fp16 mma plus conversions). fp8
+# wgmma needs both operands contiguous along the reduction axis, so `new_kv_cache` then lays
+# V key-minor; the kernel is correct over either V layout.
+DECODE_FP8_QUERY_QUANT = False
+FP8_E4M3_MAX = tl.constexpr(448.0)
+# P (in [0, 1] after the running max) times 2**8 before rounding to e4m3: 1.0 maps to 256
+# (exact, a power of two), and probabilities down to 2**-14 stay normal numbers in e4m3
+P_FP8_SCALE = tl.constexpr(256.0)
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -278,6 +293,44 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
 
 
 @triton.jit
+def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
+                            k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+                            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """`_attend_kv_tile` with DECODE_FP8_QUERY_QUANT, transposed: acc_t [HEAD_DIM_PAD, BLOCK_M]
+    (O^T times P_FP8_SCALE), q_t [HEAD_DIM_PAD, BLOCK_M] e4m3, scale_log2 [1, BLOCK_M] (the
+    softmax, key and query row scales). K and V stay e4m3."""
+    positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
+    k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+    s_t = tl.dot(k, q_t) * scale_log2                                     # [BLOCK_N, BLOCK_M] fp32
+    if MASKED:
+        s_t = tl.where(positions[:, None] <= q_pos[None, :], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))                               # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p_t = tl.exp2(s_t - m_new[None, :])                                   # [BLOCK_N, BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+    pv_t = tl.dot(tl.trans(v), (p_t * P_FP8_SCALE).to(q_t.dtype))        # [D, BLOCK_M] fp32
+    return acc_t * alpha[None, :] + pv_t, m_new, l_i
+
+
+@triton.jit
+def _quantize_rows_e4m3(x):
+    """Each row of x in e4m3 with its own scale (a row of zeros: scale 1).
+    # x [BLOCK_M, D] -> ([BLOCK_M, D] e4m3, [BLOCK_M] float32)"""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0.0, amax / FP8_E4M3_MAX, 1.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return y.to(tl.float8e4nv), scale
+
+
+@triton.jit
 def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Store [BLOCK_M, HEAD_DIM_PAD] `values` at rows (token, head) of a [T, H, ...] tensor."""
@@ -302,7 +355,7 @@ def _unified_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -340,22 +393,41 @@ def _unified_attention_kernel(
     full_end = tl.minimum((first_pos + 1) // BLOCK_N, tile_end)
     masked_begin = tl.maximum(tile_begin, full_end)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_begin, full_end):
-        acc, m_i, l_i = _attend_kv_tile(
-            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
-    for tile in range(masked_begin, tile_end):
-        acc, m_i, l_i = _attend_kv_tile(
-            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+    if FP8_MMA:  # transposed products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT)
+        q8, q_scale = _quantize_rows_e4m3(q)                      # [BLOCK_M, D] e4m3, [BLOCK_M]
+        q_t = tl.trans(q8)                                        # [HEAD_DIM_PAD, BLOCK_M]
+        s_scale = (scale_log2 * q_scale)[None, :]                 # [1, BLOCK_M]
+        acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)
+        for tile in range(tile_begin, full_end):
+            acc_t, m_i, l_i = _attend_kv_tile_fp8_mma(
+                acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, s_scale, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                False)
+        for tile in range(masked_begin, tile_end):
+            acc_t, m_i, l_i = _attend_kv_tile_fp8_mma(
+                acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, s_scale, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                True)
+        acc = tl.trans(acc_t) * (1.0 / P_FP8_SCALE)              # [BLOCK_M, HEAD_DIM_PAD]
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        for tile in range(tile_begin, full_end):
+            acc, m_i, l_i = _attend_kv_tile(
+                acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+        for tile in range(masked_begin, tile_end):
+            acc, m_i, l_i = _attend_kv_tile(
+                acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
 
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
@@ -421,7 +493,7 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
                               device=device).permute(0, 2, 1, 3)
     else:
         k_cache = torch.empty(shape, dtype=dtype, device=device)
-    if fp8 and FP8_V_KEY_MINOR:
+    if fp8 and (FP8_V_KEY_MINOR or (DECODE_FP8_QUERY_QUANT and dtype == torch.float8_e4m3fn)):
         v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
         return k_cache, v_cache.permute(0, 3, 1, 2)
     return k_cache, torch.empty_like(k_cache)
@@ -472,6 +544,13 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
         return 1
     by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
+
+
+def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int) -> bool:
+    """Whether the products run on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT): decode tiles
+    over an e4m3 cache with 16-bit queries."""
+    return (DECODE_FP8_QUERY_QUANT and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
+            and q_dtype in (torch.float16, torch.bfloat16))
 
 
 def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True) -> dict:
@@ -554,7 +633,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor, **cfg)
+        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
+        FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q), **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
