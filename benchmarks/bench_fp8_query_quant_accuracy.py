@@ -1,12 +1,15 @@
-"""What the fp8 tensor-core decode tile (`triton_attn.DECODE_FP8_QUERY_QUANT`: queries and
-probabilities rounded to e4m3 as well) costs in accuracy, against the plain fp8 cache.
+"""What the fp8 tensor-core decode tiles (`triton_attn.DECODE_FP8_QUERY_QUANT`: queries and
+probabilities rounded to e4m3 as well; `DECODE_FP8_PV_MMA`: probabilities only) cost in
+accuracy, against the plain fp8 cache.
 
 The harness of `bench_fp8_kv_accuracy.py` (the embedded SmolLM2-135M, fp32, CPU; the same four
 passages, teacher-forced prompt logprobs against the fp32 cache's), with the attention replaced
 by `kernels/query_quant_ref.py`, the kernel's rounding in torch: every prompt token attends as a
 decode of its own would (one query row per token and head). Rows: the plain e4m3 cache (per-layer
 scales, the engine's default), and the emulated tile per query-scale choice (one scale per row,
-the kernel's; one per token; none) and KV tile size. Top-1: how often the argmax next token
+the kernel's; one per token; scale 1) and, with q not rounded ("none"), only P rounded: the
+`DECODE_FP8_PV_MMA` tile. The passages are under 64 tokens, so one KV tile: the tile size is no
+matter here. Top-1: how often the argmax next token
 (each position, teacher-forced) equals the fp32 cache's.
 
     python benchmarks/bench_fp8_query_quant_accuracy.py
@@ -63,7 +66,7 @@ def main() -> None:
     rows = []
     variants = [("plain e4m3 (engine default)", None)] + [
         (f"query quant, q scales {q}, {n}-key tiles", dict(q_scales=q, block_n=n))
-        for q, n in (("row", 128), ("row", 64), ("token", 128), ("unit", 128))]
+        for q, n in (("row", 128), ("token", 128), ("unit", 128), ("none", 128))]
     for name, emulate in variants:
         values, top1 = run("fp8", emulate)
         diff = (values - reference).abs()

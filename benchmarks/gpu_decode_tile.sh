@@ -13,7 +13,8 @@
 #   b8          the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b; not in
 #               the default STEPS)
 #   ncu         Nsight Compute over one warm decode launch of a B1-sized batch per cache dtype
-#               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput
+#               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput;
+#               ncu_fp8 the fp8 cache's alone
 #
 #   bash benchmarks/gpu_decode_tile.sh
 #   STEPS="tests b1_fp8 b1_bf16" bash benchmarks/gpu_decode_tile.sh     # the engine's defaults
@@ -79,6 +80,7 @@ for step in $STEPS; do
     b1_fp8_default) run_step b1_fp8_default 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 $PROFILE ;;
     b8) run_step b8 "${B8_LIMIT:-150}" python3 benchmarks/bench_fp8.py b1-8b ;;
     ncu) ncu_step fp8; ncu_step auto ;;
+    ncu_fp8) ncu_step fp8 ;;
     *) echo "unknown step $step" ;;
   esac
 done

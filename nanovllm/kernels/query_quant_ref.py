@@ -1,11 +1,12 @@
-"""Torch reference of the fp8 tensor-core decode tile (`triton_attn.DECODE_FP8_QUERY_QUANT`):
-the same rounding as the kernel, so its accuracy can be measured on CPU and the kernel checked
-against it on the GPU.
+"""Torch reference of the fp8 tensor-core decode tiles (`triton_attn.DECODE_FP8_QUERY_QUANT`,
+and `DECODE_FP8_PV_MMA` with `q_scales="none"`): the same rounding as the kernel, so its
+accuracy can be measured on CPU and the kernel checked against it on the GPU.
 
 Over an e4m3 cache the kernel rounds two more things than the plain fp8 path does (which
 dequantizes K and V and keeps q and P in 16 bits):
 
-- each query row (one token of one head) to e4m3 with its own scale, its amax / 448;
+- each query row (one token of one head) to e4m3 with its own scale, its amax / 448
+  (DECODE_FP8_QUERY_QUANT only);
 - the probabilities of each KV tile, `exp2(s - m)` with `m` the running row maximum after that
   tile, times 256, to e4m3; the row sums `l` stay fp32 (unrounded p).
 
@@ -31,7 +32,8 @@ RUNNING_MAX_INIT = -1.0e30  # triton_attn.RUNNING_MAX_INIT
 LOG2E = 1.4426950408889634
 
 
-Q_SCALES = ("row", "token", "unit")  # the kernel's; one per token (all its heads); 1.0 (no scale)
+# the kernel's; one per token (all its heads); 1.0; "none": q not rounded (DECODE_FP8_PV_MMA)
+Q_SCALES = ("row", "token", "unit", "none")
 
 
 def quantize_rows(x: torch.Tensor, q_scales: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +44,8 @@ def quantize_rows(x: torch.Tensor, q_scales: str = "row") -> tuple[torch.Tensor,
         raise ValueError(f"q_scales must be one of {Q_SCALES}, got {q_scales!r}")
     x = x.float()
     amax = x.abs().amax(-1, keepdim=True)
+    if q_scales == "none":
+        return x, torch.ones_like(amax)
     if q_scales == "token":
         amax = amax.amax(-2, keepdim=True).expand_as(amax)
     elif q_scales == "unit":

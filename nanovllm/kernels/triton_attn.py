@@ -123,6 +123,10 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 # P (in [0, 1] after the running max) times 2**8 before rounding to e4m3: 1.0 maps to 256
 # (exact, a power of two), and probabilities down to 2**-14 stay normal numbers in e4m3
 P_FP8_SCALE = tl.constexpr(256.0)
+# The same decode tile with only P V on the fp8 tensor cores: P * P_FP8_SCALE rounded to e4m3,
+# O^T += V^T P^T from the fp8 bytes of V (key-minor), S = q K^T in fp16 as without either
+# option: no fp16 copy of V, q not rounded.
+DECODE_FP8_PV_MMA = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -265,7 +269,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr,
+                    PV_MMA: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
@@ -283,12 +288,16 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v.to(q.dtype)
-    if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
-        # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
-        # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
-        v = v + (ctx_len < 0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    if PV_MMA:  # acc is O^T [HEAD_DIM_PAD, BLOCK_M]: V^T P^T on the fp8 tensor cores
+        p8 = (p * P_FP8_SCALE).to(v.dtype)                                 # [BLOCK_M, BLOCK_N] e4m3
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p8))
+    else:
+        v = v.to(q.dtype)
+        if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
+            # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
+            # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
+            v = v + (ctx_len < 0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -355,7 +364,8 @@ def _unified_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr):
+        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
+        PV_MMA: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -415,19 +425,24 @@ def _unified_attention_kernel(
                 True)
         acc = tl.trans(acc_t) * (1.0 / P_FP8_SCALE)              # [BLOCK_M, HEAD_DIM_PAD]
     else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        if PV_MMA:
+            acc = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)  # O^T
+        else:
+            acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         for tile in range(tile_begin, full_end):
             acc, m_i, l_i = _attend_kv_tile(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
         for tile in range(masked_begin, tile_end):
             acc, m_i, l_i = _attend_kv_tile(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
+        if PV_MMA:
+            acc = tl.trans(acc) * (1.0 / P_FP8_SCALE)             # [BLOCK_M, HEAD_DIM_PAD]
 
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
@@ -493,7 +508,7 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
                               device=device).permute(0, 2, 1, 3)
     else:
         k_cache = torch.empty(shape, dtype=dtype, device=device)
-    if fp8 and (FP8_V_KEY_MINOR or (DECODE_FP8_QUERY_QUANT and dtype == torch.float8_e4m3fn)):
+    if fp8 and (FP8_V_KEY_MINOR or ((DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA) and dtype == torch.float8_e4m3fn)):
         v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
         return k_cache, v_cache.permute(0, 3, 1, 2)
     return k_cache, torch.empty_like(k_cache)
@@ -546,10 +561,10 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
 
 
-def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int) -> bool:
-    """Whether the products run on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT): decode tiles
-    over an e4m3 cache with 16-bit queries."""
-    return (DECODE_FP8_QUERY_QUANT and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
+def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int, option: bool) -> bool:
+    """Whether an fp8 tensor-core option (DECODE_FP8_QUERY_QUANT, DECODE_FP8_PV_MMA) applies:
+    decode tiles over an e4m3 cache with 16-bit queries."""
+    return (option and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
             and q_dtype in (torch.float16, torch.bfloat16))
 
 
@@ -634,7 +649,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
-        FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q), **cfg)
+        FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
+        PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
+        **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
