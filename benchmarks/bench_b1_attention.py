@@ -120,6 +120,12 @@ VARIANTS = {
                            DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
     "f8pv64s2_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
                            DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8pv64s3_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=3,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq64s2_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq64s3_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=3,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
     "lpt_split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major", "longest_first"),
 }
 

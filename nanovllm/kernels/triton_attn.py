@@ -50,11 +50,14 @@ kept as module constants so benchmarks can set them: `DECODE_*_MAXNREG` (a regis
 and for an fp8 cache `new_kv_cache`'s layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's
 block rows adjacent per dimension, so the decode tile feeds V to the tensor cores from the fp8
 bytes as it does K); the kernels read every layout through strides (V's dimension stride
-included, `V_KEY_MINOR` from it).
+included, `V_KEY_MINOR` from it). Over an e4m3 cache, `DECODE_FP8_QUERY_QUANT` runs both
+decode products on the fp8 tensor cores (q and P rounded to e4m3, transposed wgmma tiles) and
+`DECODE_FP8_PV_MMA` P V alone; `kernels/query_quant_ref.py` is their rounding in torch.
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
-DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
+DECODE_FP8_*; with DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA the e4m3 decode tiles are
+that option's, `FP8_MMA` / `PV_MMA`, instead) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
 kernel 1, the store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
 Triton specializes on (a unit stride) are the same for every launch. The block-table width
@@ -117,7 +120,10 @@ FP8_HEADS_MAJOR = False
 # products' M >= 64 rows: Hopper's wgmma, operands straight from shared memory (a 16-row
 # mma.sync over fp8 operands is lowered by Triton 3.6 to fp16 mma plus conversions). fp8
 # wgmma needs both operands contiguous along the reduction axis, so `new_kv_cache` then lays
-# V key-minor; the kernel is correct over either V layout.
+# V key-minor; the kernel is correct over either V layout. Off: B1's decode attention replayed
+# on an H200 in 3.909 s against 3.079 with the fp16 products (245 registers: 2 programs a
+# multiprocessor, its warps waiting on DRAM), 3.323 at 64-key tiles capped at 128 registers
+# (RESULTS.md "Tenth session"); it also moves teacher-forced logprobs more (mean 0.083 vs 0.070).
 DECODE_FP8_QUERY_QUANT = False
 FP8_E4M3_MAX = tl.constexpr(448.0)
 # P (in [0, 1] after the running max) times 2**8 before rounding to e4m3: 1.0 maps to 256
@@ -125,7 +131,9 @@ FP8_E4M3_MAX = tl.constexpr(448.0)
 P_FP8_SCALE = tl.constexpr(256.0)
 # The same decode tile with only P V on the fp8 tensor cores: P * P_FP8_SCALE rounded to e4m3,
 # O^T += V^T P^T from the fp8 bytes of V (key-minor), S = q K^T in fp16 as without either
-# option: no fp16 copy of V, q not rounded.
+# option: no fp16 copy of V, q not rounded. Off: replayed 1.7-32% slower than the fp16 products
+# over B1's decode batches (its best, 64-key tiles at 128 registers and 2 stages: 3.151 s against
+# 3.098; RESULTS.md "Tenth session"). DECODE_FP8_QUERY_QUANT takes precedence where both are on.
 DECODE_FP8_PV_MMA = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
