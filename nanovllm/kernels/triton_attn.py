@@ -52,12 +52,13 @@ block rows adjacent per dimension, so the decode tile feeds V to the tensor core
 bytes as it does K); the kernels read every layout through strides (V's dimension stride
 included, `V_KEY_MINOR` from it). Over an e4m3 cache, `DECODE_FP8_QUERY_QUANT` runs both
 decode products on the fp8 tensor cores (q and P rounded to e4m3, transposed wgmma tiles) and
-`DECODE_FP8_PV_MMA` P V alone; `kernels/query_quant_ref.py` is their rounding in torch.
+`DECODE_FP8_PV_MMA` P V alone; `kernels/query_quant_ref.py` is their rounding in torch. With
+either on, the e4m3 decode tiles are that option's (constexpr `FP8_MMA` / `PV_MMA`) instead of
+the plain ones: the count of compiled variants below stays the same.
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
-DECODE_FP8_*; with DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA the e4m3 decode tiles are
-that option's, `FP8_MMA` / `PV_MMA`, instead) the attention kernel has 4, decode or prefill tiles
+DECODE_FP8_*) the attention kernel has 4, decode or prefill tiles
 times split or not (`IS_SPLIT`; the split count itself is a run-time argument), the combine
 kernel 1, the store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
 Triton specializes on (a unit stride) are the same for every launch. The block-table width
