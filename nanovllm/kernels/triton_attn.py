@@ -555,6 +555,13 @@ def _check_v_layout(v_cache: torch.Tensor) -> bool:
     return True
 
 
+def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int, option: bool) -> bool:
+    """Whether an fp8 tensor-core option (DECODE_FP8_QUERY_QUANT, DECODE_FP8_PV_MMA) applies:
+    decode tiles over an e4m3 cache with 16-bit queries."""
+    return (option and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
+            and q_dtype in (torch.float16, torch.bfloat16))
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_NOMINAL_SMS
@@ -568,13 +575,6 @@ def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.de
         return 1
     by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
     return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
-
-
-def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int, option: bool) -> bool:
-    """Whether an fp8 tensor-core option (DECODE_FP8_QUERY_QUANT, DECODE_FP8_PV_MMA) applies:
-    decode tiles over an e4m3 cache with 16-bit queries."""
-    return (option and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
-            and q_dtype in (torch.float16, torch.bfloat16))
 
 
 def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True) -> dict:
