@@ -12,6 +12,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
     python benchmarks/attn_sass.py --kv fp8:vkm --tiles 64/4/3 --maxnreg 128   # key-minor V, capped registers
+    python benchmarks/attn_sass.py --kv fp8,fp8:mma                # fp8 tile against fp8 tensor-core products
 """
 import argparse
 import collections
@@ -34,13 +35,15 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
-                   maxnreg: int | None = None):
-    """The unified kernel's decode tile."""
+                   maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False):
+    """The unified kernel's decode tile (fp8_mma: DECODE_FP8_QUERY_QUANT's, both products on the fp8
+    tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
-                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor)
+                  DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
+                  FP8_MMA=fp8_mma, PV_MMA=pv_mma)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
@@ -103,7 +106,8 @@ def first_loop(sass: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", default="auto,fp8,fp8_e5m2",
-                    help="comma list of kv_cache_dtype values; a :vkm suffix compiles for a key-minor V cache")
+                    help="comma list of kv_cache_dtype values; a :vkm suffix compiles for a key-minor V cache, "
+                         ":mma for DECODE_FP8_QUERY_QUANT's tile (fp8 products, key-minor V), :pv for DECODE_FP8_PV_MMA's")
     ap.add_argument("--tiles", default="",
                     help="comma list of BLOCK_N/warps/stages (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
@@ -120,7 +124,8 @@ def main() -> None:
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
         for block_n, warps, stages in tiles:
             name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
-            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout == "vkm", args.maxnreg)
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), args.maxnreg,
+                                    layout == "mma", layout == "pv")
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

@@ -97,6 +97,35 @@ VARIANTS = {
     "split16_hm": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "heads_major"),
     "n64s4_hm": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "heads_major"),
     "lpt": ({}, "tokens_major", "longest_first"),
+    # both products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT: q and P in e4m3, transposed
+    # wgmma tiles, V key-minor), in the engine's fp8 row order (longest first); registers offline
+    # (attn_sass.py --kv fp8:mma): 128/4/3 245, 64/4/3 168, 128/8/3 168 (8 warps)
+    "f8qq": (dict(DECODE_FP8_QUERY_QUANT=True), "tokens_major", "longest_first"),
+    "f8qq_r168": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_MAXNREG=168), "tokens_major", "longest_first"),
+    "f8qq64": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64), "tokens_major", "longest_first"),
+    "f8qq64s4_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=4,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq64s6_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=6,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq_w8": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_NUM_WARPS=8), "tokens_major", "longest_first"),
+    "f8qq_s2": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_NUM_STAGES=2), "tokens_major", "longest_first"),
+    "f8qq_batch_order": (dict(DECODE_FP8_QUERY_QUANT=True), "tokens_major"),
+    # P V alone on the fp8 tensor cores (DECODE_FP8_PV_MMA; V key-minor, S in fp16); registers
+    # offline: 128/4/3 255 (spills 8 outside the loop), 64/4/3 167, 64/4/4 capped at 128
+    "f8pv": (dict(DECODE_FP8_PV_MMA=True), "tokens_major", "longest_first"),
+    "f8pv64": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64), "tokens_major", "longest_first"),
+    "f8pv64s4_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=4,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8pv64s6_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=6,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8pv64s2_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8pv64s3_r128": (dict(DECODE_FP8_PV_MMA=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=3,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq64s2_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=2,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
+    "f8qq64s3_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=3,
+                           DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
     "lpt_split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major", "longest_first"),
 }
 

@@ -8,10 +8,13 @@
 #               adds a copy of kernels/triton_attn.py to both (an A/B of a kernel change)
 #   b1_fp8 / b1_bf16       B1 with the fastest replayed variant of this call (--attn-constants);
 #               skipped where the engine's default replayed fastest, unless B1_DEFAULTS=1
+#   b1_fp8_qq / b1_fp8_default   B1 over an fp8 cache with the fp8 tensor-core tile
+#               (DECODE_FP8_QUERY_QUANT) / with the engine's defaults, whatever replayed fastest
 #   b8          the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b; not in
 #               the default STEPS)
 #   ncu         Nsight Compute over one warm decode launch of a B1-sized batch per cache dtype
-#               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput
+#               (benchmarks/ncu_decode.py): occupancy, warp stall reasons, memory throughput;
+#               ncu_fp8 the fp8 cache's alone
 #
 #   bash benchmarks/gpu_decode_tile.sh
 #   STEPS="tests b1_fp8 b1_bf16" bash benchmarks/gpu_decode_tile.sh     # the engine's defaults
@@ -66,14 +69,18 @@ best() {  # attn log, kv_cache_dtype: the constants of the fastest replayed vari
 for step in $STEPS; do
   case $step in
     tests) run_step tests "${TESTS_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -n 8 $TESTS ;;
-    attn_fp8) run_step attn_fp8 110 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
+    attn_fp8) run_step attn_fp8 "${ATTN_LIMIT:-110}" python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
               --kv-cache-dtype fp8 --variants "$FP8_VARIANTS" $KERNELS ;;
     attn_bf16) run_step attn_bf16 60 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
                --kv-cache-dtype auto --variants "$BF16_VARIANTS" $KERNELS ;;
     b1_fp8) b1 b1_fp8 attn_fp8 fp8 --kv-cache-dtype fp8 ;;
     b1_bf16) b1 b1_bf16 attn_bf16 auto ;;
+    b1_fp8_qq) run_step b1_fp8_qq 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 $PROFILE \
+               --attn-constants '{"DECODE_FP8_QUERY_QUANT": true}' ;;
+    b1_fp8_default) run_step b1_fp8_default 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 $PROFILE ;;
     b8) run_step b8 "${B8_LIMIT:-150}" python3 benchmarks/bench_fp8.py b1-8b ;;
     ncu) ncu_step fp8; ncu_step auto ;;
+    ncu_fp8) ncu_step fp8 ;;
     *) echo "unknown step $step" ;;
   esac
 done

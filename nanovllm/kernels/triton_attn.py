@@ -50,7 +50,11 @@ kept as module constants so benchmarks can set them: `DECODE_*_MAXNREG` (a regis
 and for an fp8 cache `new_kv_cache`'s layouts, `FP8_HEADS_MAJOR` and `FP8_V_KEY_MINOR` (V's
 block rows adjacent per dimension, so the decode tile feeds V to the tensor cores from the fp8
 bytes as it does K); the kernels read every layout through strides (V's dimension stride
-included, `V_KEY_MINOR` from it).
+included, `V_KEY_MINOR` from it). Over an e4m3 cache, `DECODE_FP8_QUERY_QUANT` runs both
+decode products on the fp8 tensor cores (q and P rounded to e4m3, transposed wgmma tiles) and
+`DECODE_FP8_PV_MMA` P V alone; `kernels/query_quant_ref.py` is their rounding in torch. With
+either on, the e4m3 decode tiles are that option's (constexpr `FP8_MMA` / `PV_MMA`) instead of
+the plain ones: the count of compiled variants below stays the same.
 
 Compiled variants (all met while the engine starts: engine/warmup.py): per model (head
 counts, head size, block size, dtype, cache dtype: an fp8 cache has its own decode tile,
@@ -119,6 +123,30 @@ FP8_V_KEY_MINOR = False
 # block of one KV head is block_size * head_dim contiguous bytes (2 KiB), not rows of 128 bytes
 # a KV head's width apart.
 FP8_HEADS_MAJOR = False
+# Decode tiles over an e4m3 cache with 16-bit queries run both products on the fp8 tensor cores
+# (vLLM's query quantization, as its FlashAttention-3 path does with an fp8 cache): each query
+# row is quantized to e4m3 with its own scale (its amax / FP8_E4M3_MAX, once per program);
+# S^T = K q^T from the fp8 bytes of K, softmax in fp32, P^T * P_FP8_SCALE quantized to e4m3,
+# O^T += V^T P^T from the fp8 bytes of V; the scales are folded into the fp32 accumulators and
+# no K or V value is converted. Written transposed so that the keys (and head_dim) are the
+# products' M >= 64 rows: Hopper's wgmma, operands straight from shared memory (a 16-row
+# mma.sync over fp8 operands is lowered by Triton 3.6 to fp16 mma plus conversions). fp8
+# wgmma needs both operands contiguous along the reduction axis, so `new_kv_cache` then lays
+# V key-minor; the kernel is correct over either V layout. Off: B1's decode attention replayed
+# on an H200 in 3.909 s against 3.079 with the fp16 products (245 registers: 2 programs a
+# multiprocessor, its warps waiting on DRAM), 3.323 at 64-key tiles capped at 128 registers
+# (RESULTS.md "Tenth session"); it also moves teacher-forced logprobs more (mean 0.083 vs 0.070).
+DECODE_FP8_QUERY_QUANT = False
+FP8_E4M3_MAX = tl.constexpr(448.0)
+# P (in [0, 1] after the running max) times 2**8 before rounding to e4m3: 1.0 maps to 256
+# (exact, a power of two), and probabilities down to 2**-14 stay normal numbers in e4m3
+P_FP8_SCALE = tl.constexpr(256.0)
+# The same decode tile with only P V on the fp8 tensor cores: P * P_FP8_SCALE rounded to e4m3,
+# O^T += V^T P^T from the fp8 bytes of V (key-minor), S = q K^T in fp16 as without either
+# option: no fp16 copy of V, q not rounded. Off: replayed 1.7-32% slower than the fp16 products
+# over B1's decode batches (its best, 64-key tiles at 128 registers and 2 stages: 3.151 s against
+# 3.098; RESULTS.md "Tenth session"). DECODE_FP8_QUERY_QUANT takes precedence where both are on.
+DECODE_FP8_PV_MMA = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -261,7 +289,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr,
+                    PV_MMA: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
@@ -279,13 +308,55 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v.to(q.dtype)
-    if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
-        # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
-        # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
-        v = v + (ctx_len < 0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+    if PV_MMA:  # acc is O^T [HEAD_DIM_PAD, BLOCK_M]: V^T P^T on the fp8 tensor cores
+        p8 = (p * P_FP8_SCALE).to(v.dtype)                                 # [BLOCK_M, BLOCK_N] e4m3
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), tl.trans(p8))
+    else:
+        v = v.to(q.dtype)
+        if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
+            # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
+            # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
+            v = v + (ctx_len < 0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
+                            k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+                            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                            PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """`_attend_kv_tile` with DECODE_FP8_QUERY_QUANT, transposed: acc_t [HEAD_DIM_PAD, BLOCK_M]
+    (O^T times P_FP8_SCALE), q_t [HEAD_DIM_PAD, BLOCK_M] e4m3, scale_log2 [1, BLOCK_M] (the
+    softmax, key and query row scales). K and V stay e4m3."""
+    positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
+    k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+    s_t = tl.dot(k, q_t) * scale_log2                                     # [BLOCK_N, BLOCK_M] fp32
+    if MASKED:
+        s_t = tl.where(positions[:, None] <= q_pos[None, :], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))                               # [BLOCK_M]
+    alpha = tl.exp2(m_i - m_new)
+    p_t = tl.exp2(s_t - m_new[None, :])                                   # [BLOCK_N, BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+    pv_t = tl.dot(tl.trans(v), (p_t * P_FP8_SCALE).to(q_t.dtype))        # [D, BLOCK_M] fp32
+    return acc_t * alpha[None, :] + pv_t, m_new, l_i
+
+
+@triton.jit
+def _quantize_rows_e4m3(x):
+    """Each row of x in e4m3 with its own scale (a row of zeros: scale 1).
+    # x [BLOCK_M, D] -> ([BLOCK_M, D] e4m3, [BLOCK_M] float32)"""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0.0, amax / FP8_E4M3_MAX, 1.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return y.to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -313,7 +384,8 @@ def _unified_attention_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr):
+        FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
+        PV_MMA: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -351,22 +423,46 @@ def _unified_attention_kernel(
     full_end = tl.minimum((first_pos + 1) // BLOCK_N, tile_end)
     masked_begin = tl.maximum(tile_begin, full_end)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_begin, full_end):
-        acc, m_i, l_i = _attend_kv_tile(
-            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            False, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
-    for tile in range(masked_begin, tile_end):
-        acc, m_i, l_i = _attend_kv_tile(
-            acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-            block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
-            stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-            True, DOT_PRECISION, KV_FP8, V_KEY_MINOR)
+    if FP8_MMA:  # transposed products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT)
+        q8, q_scale = _quantize_rows_e4m3(q)                      # [BLOCK_M, D] e4m3, [BLOCK_M]
+        q_t = tl.trans(q8)                                        # [HEAD_DIM_PAD, BLOCK_M]
+        s_scale = (scale_log2 * q_scale)[None, :]                 # [1, BLOCK_M]
+        acc_t = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)
+        for tile in range(tile_begin, full_end):
+            acc_t, m_i, l_i = _attend_kv_tile_fp8_mma(
+                acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, s_scale, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                False)
+        for tile in range(masked_begin, tile_end):
+            acc_t, m_i, l_i = _attend_kv_tile_fp8_mma(
+                acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, s_scale, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                True)
+        acc = tl.trans(acc_t) * (1.0 / P_FP8_SCALE)              # [BLOCK_M, HEAD_DIM_PAD]
+    else:
+        if PV_MMA:
+            acc = tl.zeros([HEAD_DIM_PAD, BLOCK_M], dtype=tl.float32)  # O^T
+        else:
+            acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        for tile in range(tile_begin, full_end):
+            acc, m_i, l_i = _attend_kv_tile(
+                acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
+        for tile in range(masked_begin, tile_end):
+            acc, m_i, l_i = _attend_kv_tile(
+                acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
+                stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
+        if PV_MMA:
+            acc = tl.trans(acc) * (1.0 / P_FP8_SCALE)             # [BLOCK_M, HEAD_DIM_PAD]
 
     tokens = q_start + q_idx
     has_keys = l_i > 0.0  # false only for a split whose segment no row of it can see
@@ -432,7 +528,7 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
                               device=device).permute(0, 2, 1, 3)
     else:
         k_cache = torch.empty(shape, dtype=dtype, device=device)
-    if fp8 and FP8_V_KEY_MINOR:
+    if fp8 and (FP8_V_KEY_MINOR or ((DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA) and dtype == torch.float8_e4m3fn)):
         v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
         return k_cache, v_cache.permute(0, 3, 1, 2)
     return k_cache, torch.empty_like(k_cache)
@@ -468,6 +564,13 @@ def _check_v_layout(v_cache: torch.Tensor) -> bool:
         raise ValueError("v_cache must be contiguous in its last dimension or key-minor within a "
                          f"block (stride 1 over block rows), got strides {tuple(v_cache.stride())}")
     return True
+
+
+def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int, option: bool) -> bool:
+    """Whether an fp8 tensor-core option (DECODE_FP8_QUERY_QUANT, DECODE_FP8_PV_MMA) applies:
+    decode tiles over an e4m3 cache with 16-bit queries."""
+    return (option and max_seqlen_q == 1 and cache_dtype == torch.float8_e4m3fn
+            and q_dtype in (torch.float16, torch.bfloat16))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -576,7 +679,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
-        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor, **cfg)
+        FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
+        FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
+        PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
+        **cfg)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1),
