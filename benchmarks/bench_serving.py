@@ -177,10 +177,23 @@ def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process `pid` has used so far (Linux /proc)."""
+    """CPU seconds (user + system, every thread) process `pid` and its live child processes (the
+    server's engine process) have used so far (Linux /proc)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(process_cpu_s(child) for child in child_pids(pid))
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:   # the thread ended meanwhile
+            pass
+    return children
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -195,7 +208,7 @@ def summarize(results: list[dict], elapsed: float, server_cpu_s: float | None, a
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
-    return {"bench": "B3", "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
