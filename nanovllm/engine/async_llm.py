@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import copy
 import logging
+import os
 import queue
 import threading
 import time
@@ -157,6 +158,11 @@ class AsyncLLM:
         return self._core.max_model_len
 
     @property
+    def engine_pid(self) -> int:
+        """The process that runs the engine loop (this one in thread mode)."""
+        return self._core.pid
+
+    @property
     def config(self):
         """The engine's `Config`."""
         return self._core.config
@@ -222,7 +228,10 @@ class AsyncLLM:
 
     def run_in_engine(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine loop between steps; returns its future. In process
-        mode `fn` must pickle (a module-level function) and the reply is read on the event loop."""
+        mode `fn` must pickle (a module-level function) and its reply is read by the event loop
+        this is called from (or, called outside one, by the next one that uses this AsyncLLM)."""
+        if _running_loop() is not None:
+            self._bind_loop()
         return self._core.run_in_engine(fn)
 
     def shutdown(self) -> None:
@@ -281,6 +290,7 @@ class EngineThread:
         # requests and aborts queued here join at the next round boundary, not one round later
         engine.requests_arriving = lambda: not self._commands.empty()
         self._throughput = ThroughputLog(log_stats_interval)
+        self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)
         self._thread.start()
 
@@ -400,6 +410,13 @@ class EngineThread:
             loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _check_interval(log_stats_interval: float) -> None:

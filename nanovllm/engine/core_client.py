@@ -55,6 +55,7 @@ class MPClient:
         self._proc = ctx.Process(target=run_engine_core, name="nanovllm-engine-core",
                                  args=(cmd_recv, out_send, model, engine_kwargs, log_stats_interval, _log_setup()))
         self._proc.start()
+        self.pid = self._proc.pid
         cmd_recv.close()   # the child's ends: the pipe ends (EOF) when the child does
         out_send.close()
         # registered now, after multiprocessing's own exit hook (which would wait for the child)

@@ -67,7 +67,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no log line per HTTP request (each is written from the event loop)")
     server.add_argument("--disable-frontend-multiprocessing", dest="multiprocess_mode", action="store_false",
-                        default=DEFAULT_SERVER_MULTIPROCESS_MODE,
+                        default=None,
                         help="run the engine loop in a thread of the server's process instead of a process of "
                              "its own" + ("" if DEFAULT_SERVER_MULTIPROCESS_MODE else " (the default)") +
                              ": the event loop (HTTP, chat templates, streams) and the engine's steps then share "
@@ -295,6 +295,10 @@ def main(args: argparse.Namespace) -> None:
         if args.disable_uvicorn_access_log:
             raise SystemExit("nanovllm serve: error: --disable-uvicorn-access-log is for the single-engine "
                              "server; Ray Serve's proxy writes its own access log")
+        if args.multiprocess_mode is not None:
+            raise SystemExit("nanovllm serve: error: --enable/--disable-frontend-multiprocessing are for the "
+                             "single-engine server; a Ray Serve replica runs its engine in a thread of its own "
+                             "actor, apart from the HTTP proxy already")
         from nanovllm.entrypoints.ray.serve import main as serve_on_ray
         return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -306,7 +310,8 @@ def main(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
-        async_llm = AsyncLLM(args.model, multiprocess_mode=args.multiprocess_mode,
+        multiprocess_mode = DEFAULT_SERVER_MULTIPROCESS_MODE if args.multiprocess_mode is None else args.multiprocess_mode
+        async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess_mode,
                              log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
         names = args.served_model_name or [default_model_name(args.model, async_llm)]
