@@ -1,4 +1,5 @@
-"""AsyncLLM with the engine loop in its own process (multiprocess_mode=True, the server's default).
+"""AsyncLLM with the engine loop in its own process (multiprocess_mode=True; the server's
+--enable-frontend-multiprocessing).
 
 The same tiny random Llama with SmolLM2's tokenizer as tests/test_server.py, once in process
 mode and once in thread mode: greedy outputs must match token for token (streamed and
@@ -222,10 +223,10 @@ def test_a_killed_engine_process_fails_streams_and_health(mp_llm):
 
 
 def test_server_ctrl_c_leaves_no_engine_process(model_dir):
-    """The server (process mode by default) answers, then SIGINT: it exits and so does its engine."""
+    """The server in process mode answers, then Ctrl-C: it exits and so does its engine process."""
     cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
            "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
-           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log"]
+           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing"]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)   # its own process group, as a shell's foreground job
@@ -243,7 +244,7 @@ def test_server_ctrl_c_leaves_no_engine_process(model_dir):
     try:
         assert ready.wait(STARTUP_TIMEOUT_S) and port, "".join(log[-30:])
         children = _child_pids(proc.pid)
-        assert children, "the server runs its engine in a child process by default"
+        assert children, "the server runs its engine in a child process"
         r = httpx.post(f"http://127.0.0.1:{port[0]}/v1/completions", timeout=60,
                        json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -50,7 +50,7 @@ logger = logging.getLogger("nanovllm")
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 # How long `shutdown` waits for the engine thread to finish its current step.
 SHUTDOWN_JOIN_S = 30.0
-# The engine in its own process unless asked otherwise (see the README's serving section).
+# The engine loop in a thread unless asked otherwise (see the README's serving section).
 DEFAULT_MULTIPROCESS_MODE = False
 
 

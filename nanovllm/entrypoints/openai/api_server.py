@@ -37,8 +37,9 @@ DEFAULT_PORT = 8000             # vLLM's
 # Generous for any legitimate request: a 32k-token prompt sent as token ids is about 250 KB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-# The engine loop in a process of its own (AsyncLLM's multiprocess_mode); see the README's serving section.
-DEFAULT_SERVER_MULTIPROCESS_MODE = True
+# The engine loop in a thread of the server's process unless --enable-frontend-multiprocessing: on the
+# 2-core CPU machine the process mode measured no faster (benchmarks/RESULTS.md, "Tenth session").
+DEFAULT_SERVER_MULTIPROCESS_MODE = False
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
 
 
