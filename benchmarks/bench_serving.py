@@ -168,12 +168,21 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
                 await conn.close()
 
 
-def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float, float | None]:
-    """The clients' results, the timed run's seconds and the server's CPU seconds in it (None:
-    not started here). The CPU time counts the warm-up request too."""
-    cpu_start = process_cpu_s(server_pid) if server_pid else None
+def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float, tuple[float, float] | None]:
+    """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
+    process's and its child processes' (the engine process in multiprocess mode); None: not
+    started here. The CPU time counts the warm-up request too."""
+    cpu_start = server_cpu_s(server_pid) if server_pid else None
     results, elapsed = asyncio.run(run_clients(url, args))
-    return results, elapsed, (process_cpu_s(server_pid) - cpu_start) if server_pid else None
+    if not server_pid:
+        return results, elapsed, None
+    cpu_end = server_cpu_s(server_pid)
+    return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1])
+
+
+def server_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of process `pid` and of its live descendants (Linux /proc)."""
+    return process_cpu_s(pid), sum(process_cpu_s(c) + server_cpu_s(c)[1] for c in child_pids(pid))
 
 
 def process_cpu_s(pid: int) -> float:
@@ -183,19 +192,30 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except OSError:   # the thread ended meanwhile
+            pass
+    return children
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(results: list[dict], elapsed: float, server_cpu_s: float | None, args) -> dict:
+def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float] | None, args) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
-    return {"bench": "B3", "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -203,8 +223,16 @@ def summarize(results: list[dict], elapsed: float, server_cpu_s: float | None, a
             "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
             "tpot_median_ms": round(statistics.median(tpot) * 1e3, 2) if tpot else None,
             "tpot_p99_ms": round(percentile(tpot, 99) * 1e3, 2) if tpot else None,
-            "server_cpu_ms_per_token": round(server_cpu_s * 1e3 / out_tokens, 4) if server_cpu_s and out_tokens
-            else None, "first_errors": errors[:3]}
+            "server_cpu_ms_per_token": per_token_ms(sum(server_cpu), out_tokens) if server_cpu else None,
+            # the split: the server's own process (event loop; + engine thread in thread mode) and
+            # its children (the engine process in multiprocess mode)
+            "frontend_cpu_ms_per_token": per_token_ms(server_cpu[0], out_tokens) if server_cpu else None,
+            "engine_process_cpu_ms_per_token": per_token_ms(server_cpu[1], out_tokens) if server_cpu else None,
+            "first_errors": errors[:3]}
+
+
+def per_token_ms(cpu_s: float, out_tokens: int) -> float | None:
+    return round(cpu_s * 1e3 / out_tokens, 4) if out_tokens else None
 
 
 def offline_tokens_per_s(args) -> tuple[float, float]:
@@ -259,12 +287,12 @@ def main() -> None:
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
-        results, elapsed, server_cpu_s = run_timed(url, args, proc.pid if proc is not None else None)
+        results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    summary = summarize(results, elapsed, server_cpu_s, args)
+    summary = summarize(results, elapsed, server_cpu, args)
     if args.offline_baseline:
         offline, offline_cpu_ms = offline_tokens_per_s(args)
         summary["offline_output_tokens_per_s"] = round(offline, 1)
@@ -276,7 +304,8 @@ def main() -> None:
     print(f"  TTFT median {summary['ttft_median_ms']} ms, p99 {summary['ttft_p99_ms']} ms")
     print(f"  TPOT median {summary['tpot_median_ms']} ms, p99 {summary['tpot_p99_ms']} ms")
     if summary["server_cpu_ms_per_token"] is not None:
-        print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token")
+        print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token (its own process "
+              f"{summary['frontend_cpu_ms_per_token']}, child processes {summary['engine_process_cpu_ms_per_token']})")
     if args.offline_baseline:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
               f"(serving / offline = {summary['serving_over_offline']}); "

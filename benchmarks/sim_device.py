@@ -15,9 +15,13 @@ real code. Only for benchmarks: the text is random.
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
 
-`install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline).
+`install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline). It also
+sets NANOVLLM_SIM_DEVICE, so the server's engine process (`--enable-frontend-multiprocessing`,
+spawned from this script, which multiprocessing re-runs in the child as `__mp_main__`) installs
+the same device before it builds its engine.
 """
 import argparse
+import os
 import random
 import sys
 import threading
@@ -30,6 +34,7 @@ DEFAULT_STEP_MS = 2.5       # an H200 decode step of 64 sequences, Qwen3-0.6B (R
 DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step takes ~5.7 ms
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
+ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us" for a spawned engine process
 
 
 class DeviceTimeline:
@@ -95,6 +100,7 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
     from nanovllm.engine import llm_engine
     timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
+    os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
 
 
 def main() -> None:
@@ -111,3 +117,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__" and os.environ.get(ENV_VAR):   # the server's engine process
+    install(*map(float, os.environ[ENV_VAR].split(",")))

@@ -45,7 +45,7 @@ def test_server_requests_take_the_defaults_and_errors_are_openai_shaped(llm):
     from nanovllm.entrypoints.openai.serving_engine import OpenAIServing
 
     class Engine:  # what OpenAIServing reads of an AsyncLLM
-        engine, tokenizer = llm.llm_engine, llm.get_tokenizer()
+        tokenizer, generation_defaults = llm.get_tokenizer(), llm.llm_engine.generation_defaults
     serving = OpenAIServing(Engine(), ["tiny"], None)
     params = serving.sampling_params({"top_k": 9})
     assert (params.temperature, params.top_k, params.repetition_penalty) == (0.0, 9, 1.3)

@@ -1,8 +1,11 @@
-"""AsyncLLM: the engine loop in its own thread, for servers and other asyncio code.
+"""AsyncLLM: the engine loop beside an asyncio event loop, for servers and other asyncio code.
 
-One background thread owns the `LLMEngine`. It adds and aborts requests and runs
-`step()` while any request is unfinished, so every live request, whenever it
-arrived, joins the same continuous batch. Callers live on one asyncio event loop:
+The engine runs its step loop in a background thread of this process, or, with
+`multiprocess_mode=True`, in a process of its own (engine/engine_core.py, reached
+through engine/core_client.py), so that the event loop and the engine's steps do not
+share one GIL. Either way it adds and aborts requests and runs `step()` while any
+request is unfinished, so every live request, whenever it arrived, joins the same
+continuous batch. Callers live on one asyncio event loop:
 
     stream = await llm.add_request("req-1", "Hello", SamplingParams(max_tokens=8))
     async for out in stream:          # each step's new tokens (vLLM's DELTA outputs)
@@ -12,27 +15,31 @@ or `async for out in llm.generate(prompt, params, "req-2")`. Leaving the loop ea
 client that disconnects, a cancelled task) aborts the request, which frees its KV
 blocks at the engine's next loop turn, at most one step later.
 
-Threading rule: only the engine thread touches the engine, its tokenizer included.
-The event loop sends it commands (plain callables) through a queue and gets each
-step's outputs back through `loop.call_soon_threadsafe`. The event loop has its own
+Threading rule (thread mode): only the engine thread touches the engine, its tokenizer
+included. The event loop sends it commands (plain callables) through a queue and gets
+each step's outputs back through `loop.call_soon_threadsafe`. The event loop has its own
 copy of the tokenizer (`AsyncLLM.tokenizer`): HF fast tokenizers raise "Already
 borrowed" when one thread encodes while another decodes with the same object.
 
 Faults: an exception inside `step()` fails every in-flight request with
 `EngineDeadError`, aborts them (freeing their blocks where the engine's state still
 allows it) and marks the engine dead: `is_healthy` turns False, new requests are
-refused with `EngineDeadError`.
+refused with `EngineDeadError`. In process mode the engine process exiting (killed,
+crashed) does the same.
 """
 import asyncio
 import concurrent.futures
 import copy
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
+from nanovllm.engine.engine_core import (IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog,  # noqa: F401
+                                         engine_stats, throughput_line)
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -41,15 +48,10 @@ logger = logging.getLogger("nanovllm")
 
 # As vLLM: often enough to watch a server work, rarely enough not to flood its log.
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
-# An idle engine thread wakes this often to write the throughput line and notice
-# a stop request that raced with its wait.
-IDLE_POLL_S = 0.5
 # How long `shutdown` waits for the engine thread to finish its current step.
 SHUTDOWN_JOIN_S = 30.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed (or was shut down); no request can run any more."""
+# The engine loop in a thread unless asked otherwise (see the README's serving section).
+DEFAULT_MULTIPROCESS_MODE = False
 
 
 class RequestStream:
@@ -101,57 +103,90 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """An `LLMEngine` driven by a background thread; see the module docstring.
+    """An `LLMEngine` driven by a background thread or process; see the module docstring.
 
     Args:
         model: an HF directory or a .gguf file; None for the engine's default model.
+        multiprocess_mode: run the engine loop in a spawned process of its own (vLLM V1's
+            EngineCoreProc) instead of a thread of this one. The engine is then reached
+            only through this object: `engine` exists in thread mode only.
         log_stats_interval: seconds between throughput lines in the log (0: never).
         **engine_kwargs: `LLMEngine` settings (`max_model_len`, `max_num_seqs`, ...).
     """
 
-    def __init__(self, model: str | None = None, *,
+    def __init__(self, model: str | None = None, *, multiprocess_mode: bool = DEFAULT_MULTIPROCESS_MODE,
                  log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S, **engine_kwargs):
+        _check_interval(log_stats_interval)
+        if multiprocess_mode:
+            from nanovllm.engine.core_client import MPClient
+            self._start(MPClient(model, engine_kwargs, log_stats_interval))
+            return
         engine = LLMEngine(model, **engine_kwargs) if model is not None else LLMEngine(**engine_kwargs)
-        self._start(engine, log_stats_interval)
+        self._start(EngineThread(engine, log_stats_interval))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine,
                     log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S) -> "AsyncLLM":
-        """Wrap an engine built elsewhere; the caller must not touch it afterwards."""
+        """Wrap an engine built elsewhere (thread mode); the caller must not touch it afterwards."""
+        _check_interval(log_stats_interval)
         self = cls.__new__(cls)
-        self._start(engine, log_stats_interval)
+        self._start(EngineThread(engine, log_stats_interval))
         return self
 
-    def _start(self, engine: LLMEngine, log_stats_interval: float) -> None:
-        if log_stats_interval < 0:
-            raise ValueError(f"log_stats_interval must be >= 0, got {log_stats_interval}")
-        self.engine = engine
+    def _start(self, core) -> None:
+        self._core = core
+        self.multiprocess_mode = not isinstance(core, EngineThread)
+        if not self.multiprocess_mode:
+            self.engine = core.engine
         self.started_at = time.time()
-        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the event loop's own copy
-        self.dead_error: EngineDeadError | None = None
+        self.tokenizer = core.tokenizer   # the event loop's own copy
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, RequestStream] = {}      # event-loop side
-        self._live_ids: set[str] = set()                  # engine-thread side
-        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        # requests and aborts queued here join at the next round boundary, not one round later
-        engine.requests_arriving = lambda: not self._commands.empty()
-        self._throughput = ThroughputLog(log_stats_interval)
-        self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)
-        self._thread.start()
+        self._streams: dict[str, RequestStream] = {}
 
-    # ---- event-loop side --------------------------------------------------------
+    # ---- what the server reads -------------------------------------------------------
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._core.dead_error
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self._thread.is_alive()
+        return self._core.dead_error is None and self._core.is_alive()
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._core.max_model_len
+
+    @property
+    def engine_pid(self) -> int:
+        """The process that runs the engine loop (this one in thread mode)."""
+        return self._core.pid
+
+    @property
+    def config(self):
+        """The engine's `Config`."""
+        return self._core.config
+
+    @property
+    def generation_defaults(self) -> dict:
+        """Sampling defaults from the model's generation_config.json."""
+        return self._core.generation_defaults
+
+    @property
+    def engine_stats(self) -> EngineStats:
+        """The engine's state: live in thread mode, as of the engine's last message in process mode."""
+        return self._core.stats()
+
+    async def get_engine_stats(self) -> EngineStats:
+        """The engine's state read by the engine loop after every command sent before this call."""
+        self._bind_loop()
+        return await asyncio.wrap_future(self._core.run_in_engine(engine_stats))
 
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
+
+    # ---- requests ------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType,
                           sampling_params: SamplingParams) -> RequestStream:
@@ -166,13 +201,11 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self.abort)
         self._streams[request_id] = stream
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(lambda: self._add_in_engine(request_id, prompt, sampling_params, accepted))
         try:
-            await asyncio.wrap_future(accepted)
+            await self._core.add_request(request_id, prompt, sampling_params)
         except BaseException:  # refused, or the caller was cancelled while waiting
             self._streams.pop(request_id, None)
-            self._submit(lambda: self._abort_in_engine(request_id))
+            self._core.abort(request_id)
             raise
         return stream
 
@@ -191,29 +224,30 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.finished = True
-        self._submit(lambda: self._abort_in_engine(request_id))
+        self._core.abort(request_id)
 
     def run_in_engine(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
-        """Run `fn(engine)` on the engine thread between steps; returns its future."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(lambda: _complete(done, fn, self.engine))
-        return done
+        """Run `fn(engine)` on the engine loop between steps; returns its future. In process
+        mode `fn` must pickle (a module-level function) and its reply is read by the event loop
+        this is called from (or, called outside one, by the next one that uses this AsyncLLM)."""
+        if _running_loop() is not None:
+            self._bind_loop()
+        return self._core.run_in_engine(fn)
 
     def shutdown(self) -> None:
-        """Abort every request, stop the engine thread (and the engine's workers) and wait for it."""
-        if self.dead_error is None:
-            self.dead_error = EngineDeadError("the engine is shutting down")
+        """Abort every request, stop the engine loop (and the engine's workers) and wait for it."""
+        if self._core.dead_error is None:
+            self._core.dead_error = EngineDeadError("the engine is shutting down")
         num_aborted = len(self._streams)
-        self._fail_streams(self.dead_error)
-        self._commands.put(None)
-        self._thread.join(SHUTDOWN_JOIN_S)
+        self._fail_streams(self._core.dead_error)
+        self._core.shutdown()
         logger.info("engine stopped; %d unfinished request(s) aborted", num_aborted)
 
     def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread is not running")
+        if self._core.dead_error is not None:
+            raise self._core.dead_error
+        if not self._core.is_alive():
+            raise EngineDeadError("the engine loop is not running")
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -221,9 +255,7 @@ class AsyncLLM:
             if self._streams:
                 raise RuntimeError("AsyncLLM serves one event loop at a time")
             self._loop = loop
-
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
+            self._core.bind(loop, self._deliver, self._fail_streams)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -238,6 +270,60 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(error)
+
+
+class EngineThread:
+    """The engine loop in a background thread of this process (AsyncLLM's thread mode)."""
+
+    def __init__(self, engine: LLMEngine, log_stats_interval: float):
+        self.engine = engine
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the event loop's own copy
+        self.config = engine.config
+        self.generation_defaults = engine.generation_defaults
+        self.max_model_len = engine.max_model_len
+        self.dead_error: EngineDeadError | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable | None = None
+        self._fail: Callable | None = None
+        self._live_ids: set[str] = set()                  # engine-thread side
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # requests and aborts queued here join at the next round boundary, not one round later
+        engine.requests_arriving = lambda: not self._commands.empty()
+        self._throughput = ThroughputLog(log_stats_interval)
+        self.pid = os.getpid()
+        self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- event-loop side --------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        return engine_stats(self.engine)   # plain ints and lengths: safe to read from the event loop
+
+    def bind(self, loop: asyncio.AbstractEventLoop, deliver: Callable, fail: Callable) -> None:
+        self._loop, self._deliver, self._fail = loop, deliver, fail
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: self._add_in_engine(request_id, prompt, params, accepted))
+        await asyncio.wrap_future(accepted)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(lambda: self._abort_in_engine(request_id))
+
+    def run_in_engine(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(lambda: _complete(done, fn, self.engine))
+        return done
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(SHUTDOWN_JOIN_S)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
 
     # ---- engine-thread side -----------------------------------------------------
 
@@ -307,7 +393,7 @@ class AsyncLLM:
         logger.exception("engine step failed; failing %d in-flight request(s)", len(self._live_ids))
         self.dead_error = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
         self._abort_all_in_engine()
-        self._call_in_loop(self._fail_streams, self.dead_error)
+        self._call_in_loop(self._fail, self.dead_error)
 
     def _abort_all_in_engine(self) -> None:
         for request_id in list(self._live_ids):
@@ -326,40 +412,16 @@ class AsyncLLM:
             pass
 
 
-class ThroughputLog:
-    """The periodic throughput line: prompt and generation tokens/s, queue and cache state."""
-
-    def __init__(self, interval_s: float):
-        self.interval_s = interval_s
-        self.last_log = time.monotonic()
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-
-    def record(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        stats = getattr(engine, "last_step_stats", None)
-        self.num_prompt_tokens += stats[0] if stats else 0
-        self.num_generation_tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
-
-    def maybe_log(self, engine: LLMEngine) -> None:
-        now = time.monotonic()
-        elapsed = now - self.last_log
-        if self.interval_s == 0 or elapsed < self.interval_s:
-            return
-        if self.num_prompt_tokens or self.num_generation_tokens or engine.has_unfinished_requests():
-            logger.info("%s", throughput_line(engine, self.num_prompt_tokens / elapsed,
-                                              self.num_generation_tokens / elapsed))
-        self.last_log, self.num_prompt_tokens, self.num_generation_tokens = now, 0, 0
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
-def throughput_line(engine: LLMEngine, prompt_tps: float, generation_tps: float) -> str:
-    bm, sched = engine.block_manager, engine.scheduler
-    usage = 1 - bm.num_free_blocks / bm.num_blocks
-    queries = getattr(bm, "num_prefix_query_tokens", 0)
-    hit_rate = getattr(bm, "num_prefix_hit_tokens", 0) / queries if queries else 0.0
-    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
-            f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
-            f"Running: {len(sched.running)} reqs, Waiting: {len(sched.waiting)} reqs, "
-            f"KV cache usage: {usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
+def _check_interval(log_stats_interval: float) -> None:
+    if log_stats_interval < 0:
+        raise ValueError(f"log_stats_interval must be >= 0, got {log_stats_interval}")
 
 
 def _run_logged(command: Callable[[], None]) -> None:

@@ -161,7 +161,7 @@ def run_local(async_llm, served_model_names: list[str], chat_template, input_pat
         if writer.write(line):
             bar.update(line)
 
-    max_in_flight = IN_FLIGHT_PER_SEQ_SLOT * async_llm.engine.config.max_num_seqs
+    max_in_flight = IN_FLIGHT_PER_SEQ_SLOT * async_llm.config.max_num_seqs
     try:
         asyncio.run(answer_all(runner, pending, max_in_flight, on_done))
     finally:

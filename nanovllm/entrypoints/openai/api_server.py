@@ -37,6 +37,9 @@ DEFAULT_PORT = 8000             # vLLM's
 # Generous for any legitimate request: a 32k-token prompt sent as token ids is about 250 KB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# The engine loop in a thread of the server's process unless --enable-frontend-multiprocessing: on the
+# 2-core CPU machine the process mode measured no faster (benchmarks/RESULTS.md, "Tenth session").
+DEFAULT_SERVER_MULTIPROCESS_MODE = False
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
 
 
@@ -64,6 +67,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     server.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no log line per HTTP request (each is written from the event loop)")
+    server.add_argument("--disable-frontend-multiprocessing", dest="multiprocess_mode", action="store_false",
+                        default=None,
+                        help="run the engine loop in a thread of the server's process instead of a process of "
+                             "its own" + ("" if DEFAULT_SERVER_MULTIPROCESS_MODE else " (the default)") +
+                             ": the event loop (HTTP, chat templates, streams) and the engine's steps then share "
+                             "one GIL")
+    server.add_argument("--enable-frontend-multiprocessing", dest="multiprocess_mode", action="store_true",
+                        help="run the engine loop in a process of its own" +
+                             (" (the default)" if DEFAULT_SERVER_MULTIPROCESS_MODE else "") +
+                             ", fed through a pipe: the server's event loop and the engine's steps run on "
+                             "separate cores, each with its own GIL")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="let the model call tools itself (tool_choice 'auto'); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -282,6 +296,10 @@ def main(args: argparse.Namespace) -> None:
         if args.disable_uvicorn_access_log:
             raise SystemExit("nanovllm serve: error: --disable-uvicorn-access-log is for the single-engine "
                              "server; Ray Serve's proxy writes its own access log")
+        if args.multiprocess_mode is not None:
+            raise SystemExit("nanovllm serve: error: --enable/--disable-frontend-multiprocessing are for the "
+                             "single-engine server; a Ray Serve replica runs its engine in a thread of its own "
+                             "actor, apart from the HTTP proxy already")
         from nanovllm.entrypoints.ray.serve import main as serve_on_ray
         return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -293,7 +311,9 @@ def main(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
-        async_llm = AsyncLLM(args.model, log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
+        multiprocess_mode = DEFAULT_SERVER_MULTIPROCESS_MODE if args.multiprocess_mode is None else args.multiprocess_mode
+        async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess_mode,
+                             log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
         names = args.served_model_name or [default_model_name(args.model, async_llm)]
         app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
@@ -304,7 +324,7 @@ def main(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
     logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
-                async_llm.engine.block_manager.num_blocks)
+                async_llm.engine_stats.num_blocks)
     uvicorn.Server(uvicorn_config(app, args)).run()
 
 
@@ -320,7 +340,7 @@ def default_model_name(model: str | None, async_llm) -> str:
     """The model argument as given (as vLLM); for the embedded default, its file name."""
     if model is not None:
         return model
-    name = os.path.basename(str(async_llm.engine.config.model).rstrip("/"))
+    name = os.path.basename(str(async_llm.config.model).rstrip("/"))
     return name.removesuffix(".gguf")
 
 

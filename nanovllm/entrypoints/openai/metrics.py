@@ -107,13 +107,12 @@ class ServerMetrics:
 
 
 def engine_snapshot(async_llm) -> dict:
-    """The engine's live state, read from the event loop (plain ints and lengths: safe to read)."""
-    engine = async_llm.engine
-    bm = engine.block_manager
-    return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "blocks_total": bm.num_blocks, "blocks_free": bm.num_free_blocks,
-            "prefix_queries": getattr(bm, "num_prefix_query_tokens", 0),
-            "prefix_hits": getattr(bm, "num_prefix_hit_tokens", 0), "healthy": async_llm.is_healthy}
+    """The engine's state as `AsyncLLM.engine_stats` has it (live in thread mode, as of the last
+    step in process mode)."""
+    stats = async_llm.engine_stats
+    return {"running": stats.running, "waiting": stats.waiting, "blocks_total": stats.num_blocks,
+            "blocks_free": stats.num_free_blocks, "prefix_queries": stats.prefix_query_tokens,
+            "prefix_hits": stats.prefix_hit_tokens, "healthy": async_llm.is_healthy}
 
 
 def _sample(name: str, kind: str, doc: str, value: float) -> list[str]:

@@ -60,7 +60,7 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.metrics = metrics
         self._param_names = {f.name for f in fields(SamplingParams)}
-        self.generation_defaults = getattr(getattr(async_llm, "engine", None), "generation_defaults", {})
+        self.generation_defaults = getattr(async_llm, "generation_defaults", {})
 
     @property
     def model_name(self) -> str:

@@ -1,0 +1,286 @@
+"""The engine loop, in its own process: what `AsyncLLM(multiprocess_mode=True)` runs in its child.
+
+vLLM V1 splits serving the same way (its `EngineCoreProc`): the frontend process keeps the
+event loop, HTTP, chat templates and the request streams; this process owns the `LLMEngine`
+and runs its step loop, so the two stop sharing one GIL. Data flow:
+
+    frontend (AsyncLLM + core_client.MPClient)            this process (EngineCoreProc)
+      add / abort / call, batched per loop turn  --pipe-->   reader thread -> command queue
+                                                             main thread: commands, then step()
+      streams <- one message per step (all deltas) <--pipe-- detokenized deltas + EngineStats
+
+Validation and detokenization stay in the engine (`LLMEngine.add_request` raises the
+ValueError the frontend turns into a 400; stop strings need the text where the engine
+stops): the frontend is the busier side in serving, so it gets the lighter share.
+A delta crosses the pipe as a tuple without its prompt (`encode_outputs`; the frontend
+keeps each request's prompt from its acceptance): pickling dataclasses cost ~8x more.
+"""
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from nanovllm.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("nanovllm")
+
+# An idle engine loop wakes this often to write the throughput line.
+IDLE_POLL_S = 0.5
+STOP = ("stop",)   # the command that ends the loop (also queued when the frontend goes away)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed (or was shut down); no request can run any more."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's live state that the server's /metrics and its tests read."""
+    running: int
+    waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+def engine_stats(engine) -> EngineStats:
+    """Read `engine`'s state now (plain ints and lengths)."""
+    bm, sched = engine.block_manager, engine.scheduler
+    return EngineStats(len(sched.running), len(sched.waiting), bm.num_blocks, bm.num_free_blocks,
+                       getattr(bm, "num_prefix_query_tokens", 0), getattr(bm, "num_prefix_hit_tokens", 0))
+
+
+@dataclass(frozen=True)
+class StartupInfo:
+    """What the frontend needs of the engine it started: its own tokenizer copy and settings."""
+    tokenizer: object
+    config: object
+    generation_defaults: dict
+    max_model_len: int
+    stats: EngineStats
+
+
+# ---- the wire format of one step's deltas ------------------------------------------------------
+
+def encode_outputs(outputs: list[RequestOutput]) -> list[tuple]:
+    """Deltas as plain tuples, without the prompt (the frontend has it)."""
+    return [(o.request_id, o.finished, o.num_cached_tokens, o.prompt_logprobs,
+             [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason)
+              for c in o.outputs]) for o in outputs]
+
+
+def decode_output(encoded: tuple, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    request_id, finished, num_cached_tokens, prompt_logprobs, completions = encoded
+    return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*c) for c in completions],
+                         finished, num_cached_tokens, prompt_logprobs)
+
+
+# ---- the throughput line (written by whichever thread or process runs the loop) -------------------
+
+class ThroughputLog:
+    """The periodic throughput line: prompt and generation tokens/s, queue and cache state."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self.last_log = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def record(self, engine, outputs: list[RequestOutput]) -> None:
+        stats = getattr(engine, "last_step_stats", None)
+        self.num_prompt_tokens += stats[0] if stats else 0
+        self.num_generation_tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+    def maybe_log(self, engine) -> None:
+        now = time.monotonic()
+        elapsed = now - self.last_log
+        if self.interval_s == 0 or elapsed < self.interval_s:
+            return
+        if self.num_prompt_tokens or self.num_generation_tokens or engine.has_unfinished_requests():
+            logger.info("%s", throughput_line(engine, self.num_prompt_tokens / elapsed,
+                                              self.num_generation_tokens / elapsed))
+        self.last_log, self.num_prompt_tokens, self.num_generation_tokens = now, 0, 0
+
+
+def throughput_line(engine, prompt_tps: float, generation_tps: float) -> str:
+    bm, sched = engine.block_manager, engine.scheduler
+    usage = 1 - bm.num_free_blocks / bm.num_blocks
+    queries = getattr(bm, "num_prefix_query_tokens", 0)
+    hit_rate = getattr(bm, "num_prefix_hit_tokens", 0) / queries if queries else 0.0
+    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
+            f"Running: {len(sched.running)} reqs, Waiting: {len(sched.waiting)} reqs, "
+            f"KV cache usage: {usage:.1%}, Prefix cache hit rate: {hit_rate:.1%}")
+
+
+# ---- the child process -------------------------------------------------------------------------
+
+def run_engine_core(cmd_conn, out_conn, model: str | None, engine_kwargs: dict, log_stats_interval: float,
+                    log_setup: tuple[int, str | None]) -> None:
+    """The child's entry: build the engine, report ready (or the start-up error), run the loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the frontend decides
+    level, fmt = log_setup
+    logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))
+    logger.setLevel(level)
+    try:
+        from nanovllm.engine.llm_engine import LLMEngine
+        engine = LLMEngine(model, **engine_kwargs) if model is not None else LLMEngine(**engine_kwargs)
+        info = StartupInfo(engine.tokenizer, engine.config, engine.generation_defaults, engine.max_model_len,
+                           engine_stats(engine))
+    except BaseException as e:
+        out_conn.send(("startup_error", _picklable(e)))
+        return
+    core = EngineCoreProc(engine, cmd_conn, out_conn, log_stats_interval)
+    signal.signal(signal.SIGTERM, lambda *_: core.commands.put(STOP))
+    out_conn.send(("ready", info))
+    core.run()
+
+
+class EngineCoreProc:
+    """The engine loop of the child: commands from the frontend between steps, one message a step.
+
+    A reader thread moves each command message from the pipe into a queue, so the frontend's
+    writes never wait for a step to end, and `LLMEngine.requests_arriving` sees what is queued
+    (no round is chained past it). Faults: an exception in `step()` aborts every live request
+    (freeing their blocks), sends "dead" with the message, and refuses new requests; the loop
+    still answers calls until the frontend stops it.
+    """
+
+    def __init__(self, engine, cmd_conn, out_conn, log_stats_interval: float):
+        self.engine = engine
+        self.out_conn = out_conn
+        self.commands: queue.Queue = queue.Queue()
+        self.live_ids: set[str] = set()
+        self.dead_error: str | None = None
+        self.throughput = ThroughputLog(log_stats_interval)
+        engine.requests_arriving = lambda: not self.commands.empty()
+        threading.Thread(target=self._read_commands, args=(cmd_conn,), name="nanovllm-engine-input",
+                         daemon=True).start()
+
+    def _read_commands(self, cmd_conn) -> None:
+        try:
+            while True:
+                self.commands.put(cmd_conn.recv())
+        except (EOFError, OSError):   # the frontend closed its end or exited: stop
+            self.commands.put([STOP])
+
+    def run(self) -> None:
+        try:
+            while self._run_commands(block=not self._busy()):
+                if self._busy():
+                    self._step()
+                self.throughput.maybe_log(self.engine)
+        finally:
+            self._abort_all()
+            try:
+                self.engine.shutdown()   # tensor-parallel worker processes, if any
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    def _busy(self) -> bool:
+        return self.dead_error is None and self.engine.has_unfinished_requests()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run every queued command message (waiting a little for one if `block`); False on stop."""
+        try:
+            batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return True
+        accepted, changed = [], False
+        while True:
+            for command in batch:
+                if command == STOP:
+                    return False
+                changed |= self._run_command(command, accepted)
+            try:
+                batch = self.commands.get_nowait()
+            except queue.Empty:
+                break
+        if accepted or changed:
+            self._send(("accepted", accepted, engine_stats(self.engine)))
+        return True
+
+    def _run_command(self, command: tuple, accepted: list) -> bool:
+        """Run one command; True if it changed the engine's requests."""
+        kind = command[0]
+        if kind == "add":
+            accepted.append(self._add(*command[1:]))
+            return True
+        if kind == "abort":
+            request_id = command[1]
+            if request_id in self.live_ids:
+                self.live_ids.discard(request_id)
+                self.engine.abort(request_id)
+                logger.info("aborted request %s", request_id)
+                return True
+            return False
+        if kind == "call":
+            self._call(*command[1:])
+            return False
+        raise AssertionError(f"unknown engine command {kind!r}")
+
+    def _add(self, request_id: str, prompt, params) -> tuple:
+        """(request_id, error or None, prompt text, prompt token ids) for the frontend."""
+        if self.dead_error is not None:
+            return request_id, EngineDeadError(self.dead_error), None, None
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except Exception as e:   # ValueError for bad input, passed on as it is
+            return request_id, _picklable(e), None, None
+        self.live_ids.add(request_id)
+        state = self.engine.output_processor.requests[request_id]
+        return request_id, None, state.prompt, state.prompt_token_ids
+
+    def _call(self, call_id: int, fn: Callable) -> None:
+        try:
+            reply = ("reply", call_id, True, fn(self.engine))
+        except Exception as e:
+            reply = ("reply", call_id, False, _picklable(e))
+        self._send(reply)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._die(e)
+            return
+        self.throughput.record(self.engine, outputs)
+        for output in outputs:
+            if output.finished:
+                self.live_ids.discard(output.request_id)
+        if outputs:
+            self._send(("outputs", encode_outputs(outputs), engine_stats(self.engine)))
+
+    def _die(self, error: Exception) -> None:
+        logger.exception("engine step failed; failing %d in-flight request(s)", len(self.live_ids))
+        self.dead_error = f"the engine failed: {type(error).__name__}: {error}"
+        self._abort_all()
+        self._send(("dead", self.dead_error, engine_stats(self.engine)))
+
+    def _abort_all(self) -> None:
+        for request_id in list(self.live_ids):
+            self.live_ids.discard(request_id)
+            try:
+                self.engine.abort(request_id)
+            except Exception:   # the engine's state may be broken after a fault
+                logger.exception("could not abort request %s", request_id)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.out_conn.send(message)
+        except (BrokenPipeError, OSError):   # the frontend is gone; the reader thread stops the loop
+            pass
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """`error` if it crosses the pipe as it is, else a RuntimeError with its type and message."""
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
