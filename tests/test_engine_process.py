@@ -6,7 +6,7 @@ mode and once in thread mode: greedy outputs must match token for token (streame
 folded, through the server's handlers too), aborts and bad input must leave every KV block
 free (read back over the pipe), and a dead engine process (killed, or failing in a step)
 must fail its streams with EngineDeadError, turn /health to 503 and leave no process behind.
-One engine process serves most of this module; the fault and kill tests start their own.
+One engine process serves this module (the fault test is its last); the kill test starts a server.
 """
 import asyncio
 import contextlib
@@ -172,58 +172,34 @@ def _fail_after_three_steps(engine) -> int:
     return os.getpid()
 
 
-def test_a_step_fault_fails_the_stream_frees_blocks_and_health(model_dir):
-    from nanovllm.entrypoints.openai.api_server import build_app
-    llm = AsyncLLM(model_dir, multiprocess_mode=True, **ENGINE)
-    pid = llm.engine_pid
-
-    async def go():
-        assert await asyncio.wait_for(asyncio.wrap_future(llm.run_in_engine(_fail_after_three_steps)), 60) == pid
-        async with _asgi_client(build_app(llm, [MODEL_NAME])) as http:
-            params = SamplingParams(max_tokens=50, ignore_eos=True, presence_penalty=0.5)
-            tokens = []
-            with pytest.raises(EngineDeadError, match="injected fault"):
-                async for out in llm.generate("hello", params, "doomed"):
-                    tokens += out.outputs[0].token_ids
-            health = await http.get("/health")
-            refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-            return tokens, health, refused
-    try:
-        tokens, health, refused = asyncio.run(go())
-        assert 0 < len(tokens) < 50
-        assert health.status_code == 503 and not llm.is_healthy
-        assert refused.status_code == 503 and "injected fault" in refused.json()["error"]["message"]
-        assert llm.engine_stats.num_free_blocks == llm.engine_stats.num_blocks   # sent with the fault
-    finally:
-        llm.shutdown()
-    _assert_gone(pid)
-
-
-def test_a_killed_engine_process_fails_streams_and_health(mp_llm):
-    """Last of the module's engine: SIGKILL mid-stream; shutdown afterwards leaves no process."""
+def test_a_step_fault_fails_the_stream_frees_blocks_and_health(mp_llm):
+    """Last of the module's engine: its forward pass raises mid-stream; shutdown leaves no process."""
     from nanovllm.entrypoints.openai.api_server import build_app
     pid = mp_llm.engine_pid
 
     async def go():
+        assert await asyncio.wait_for(asyncio.wrap_future(mp_llm.run_in_engine(_fail_after_three_steps)), 60) == pid
         async with _asgi_client(build_app(mp_llm, [MODEL_NAME])) as http:
-            params = SamplingParams(max_tokens=400, ignore_eos=True)
-            got = 0
-            with pytest.raises(EngineDeadError, match="exited"):
-                async for out in mp_llm.generate("hello", params, "killed"):
-                    got += len(out.outputs[0].token_ids)
-                    if got == len(out.outputs[0].token_ids):
-                        os.kill(pid, signal.SIGKILL)
-            with pytest.raises(EngineDeadError):
-                await mp_llm.add_request("after", "hi", params)
-            return got, await http.get("/health")
-    got, health = asyncio.run(go())
-    assert 0 < got < 400 and health.status_code == 503 and not mp_llm.is_healthy
+            params = SamplingParams(max_tokens=50, ignore_eos=True, presence_penalty=0.5)
+            tokens = []
+            with pytest.raises(EngineDeadError, match="injected fault"):
+                async for out in mp_llm.generate("hello", params, "doomed"):
+                    tokens += out.outputs[0].token_ids
+            health = await http.get("/health")
+            refused = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            return tokens, health, refused
+    tokens, health, refused = asyncio.run(go())
+    assert 0 < len(tokens) < 50
+    assert health.status_code == 503 and not mp_llm.is_healthy
+    assert refused.status_code == 503 and "injected fault" in refused.json()["error"]["message"]
+    assert mp_llm.engine_stats.num_free_blocks == mp_llm.engine_stats.num_blocks   # sent with the fault
     mp_llm.shutdown()
     _assert_gone(pid)
 
 
-def test_server_ctrl_c_leaves_no_engine_process(model_dir):
-    """The server in process mode answers, then Ctrl-C: it exits and so does its engine process."""
+def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
+    """The server in process mode: SIGKILL of its engine process mid-stream ends the stream with an
+    error event and turns /health to 503; Ctrl-C then stops the server, and nothing is left."""
     cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
            "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
            "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing"]
@@ -243,12 +219,25 @@ def test_server_ctrl_c_leaves_no_engine_process(model_dir):
     reader.start()
     try:
         assert ready.wait(STARTUP_TIMEOUT_S) and port, "".join(log[-30:])
-        children = _child_pids(proc.pid)
-        assert children, "the server runs its engine in a child process"
-        r = httpx.post(f"http://127.0.0.1:{port[0]}/v1/completions", timeout=60,
-                       json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        url = f"http://127.0.0.1:{port[0]}"
+        children = _child_pids(proc.pid)   # the engine process (and multiprocessing's resource tracker)
+        engine = [pid for pid in children if b"spawn_main" in _cmdline(pid)]
+        assert len(engine) == 1, "the server runs its engine in one child process"
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the whole group gets it, the engine process too
+        body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        os.kill(engine[0], signal.SIGKILL)
+        assert events[-1] == "[DONE]" and 2 <= len(events) < 402
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "engine process exited" in error["message"]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the whole group gets it
         # uvicorn re-raises the KeyboardInterrupt once it has shut down (lifespan included)
         assert proc.wait(60) in (0, -signal.SIGINT), "".join(log[-30:])
         reader.join(10)
@@ -258,6 +247,11 @@ def test_server_ctrl_c_leaves_no_engine_process(model_dir):
             proc.kill()
     for pid in children:
         _assert_gone(pid)
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
 
 
 def _child_pids(pid: int) -> list[int]:

@@ -38,8 +38,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from nanovllm.engine.engine_core import (IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog,  # noqa: F401
-                                         engine_stats, throughput_line)
+from nanovllm.engine.engine_core import IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog, engine_stats
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams

@@ -190,21 +190,23 @@ class EngineCoreProc:
             batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
         except queue.Empty:
             return True
-        accepted, changed = [], False
+        accepted, replies, changed = [], [], False
         while True:
             for command in batch:
                 if command == STOP:
                     return False
-                changed |= self._run_command(command, accepted)
+                changed |= self._run_command(command, accepted, replies)
             try:
                 batch = self.commands.get_nowait()
             except queue.Empty:
                 break
         if accepted or changed:
             self._send(("accepted", accepted, engine_stats(self.engine)))
+        for reply in replies:   # after the stats: a caller that got its reply has them too
+            self._send(reply)
         return True
 
-    def _run_command(self, command: tuple, accepted: list) -> bool:
+    def _run_command(self, command: tuple, accepted: list, replies: list) -> bool:
         """Run one command; True if it changed the engine's requests."""
         kind = command[0]
         if kind == "add":
@@ -219,7 +221,7 @@ class EngineCoreProc:
                 return True
             return False
         if kind == "call":
-            self._call(*command[1:])
+            replies.append(self._call(*command[1:]))
             return False
         raise AssertionError(f"unknown engine command {kind!r}")
 
@@ -235,12 +237,11 @@ class EngineCoreProc:
         state = self.engine.output_processor.requests[request_id]
         return request_id, None, state.prompt, state.prompt_token_ids
 
-    def _call(self, call_id: int, fn: Callable) -> None:
+    def _call(self, call_id: int, fn: Callable) -> tuple:
         try:
-            reply = ("reply", call_id, True, fn(self.engine))
+            return "reply", call_id, True, fn(self.engine)
         except Exception as e:
-            reply = ("reply", call_id, False, _picklable(e))
-        self._send(reply)
+            return "reply", call_id, False, _picklable(e)
 
     def _step(self) -> None:
         try:

@@ -311,8 +311,8 @@ def main(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
-        multiprocess_mode = DEFAULT_SERVER_MULTIPROCESS_MODE if args.multiprocess_mode is None else args.multiprocess_mode
-        async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess_mode,
+        multiprocess = DEFAULT_SERVER_MULTIPROCESS_MODE if args.multiprocess_mode is None else args.multiprocess_mode
+        async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
         names = args.served_model_name or [default_model_name(args.model, async_llm)]
