@@ -19,18 +19,20 @@ compiled code is cached on disk (torch's FX graph / AOTAutograd caches, under
 says otherwise), so a second process skips the C++ compilation. benchmarks/RESULTS.md
 ("B2 CPU, round 5") has both figures and the gain per step.
 """
-import itertools
 
 import torch
 from torch import nn
 
 from nanovllm.layers import opaque_ops
 from nanovllm.layers.fused_moe import SparseMoeBlock
+from nanovllm.models.decoder import run_decoder_layers
 
-_ids = itertools.count()
 COMPILE_MODE = 3
 # The mode a CPU engine runs when compilation_config is not given.
 DEFAULT_CPU_MODE = 0
+# Decoder layers per compiled graph: the graph's call costs ~60-100 us of Python a step
+# (Dynamo, AOTAutograd and Inductor's wrappers), its compilation grows with its layers.
+LAYERS_PER_GRAPH = 10
 
 
 def resolve_compilation_mode(mode: int | None, enforce_eager: bool, device: torch.device, tp_size: int,
@@ -59,27 +61,45 @@ def _why_not_compiled(device: torch.device, tp_size: int, model: nn.Module) -> s
 
 
 class CompiledForward:
-    """`model.forward(input_ids, positions)` compiled by Inductor, one graph for every token count."""
+    """`model.forward(input_ids, positions)` with its decoder layers compiled by Inductor, in
+    groups of LAYERS_PER_GRAPH.
 
-    def __init__(self, model: nn.Module):
-        self._prefix = f"model{next(_ids)}"
-        opaque_ops.register_layers(model, self._prefix)
-        self._compiled = torch.compile(model.forward, fullgraph=True)
-        self._warm = False
+    The unit compiled is a group of decoder layers, not the model: the groups differ only in
+    their tensors (their products' and attention's keys among them, layers/opaque_ops.py), so
+    one graph serves every group (a shorter last group is a second graph), and Dynamo traces and
+    Inductor compiles LAYERS_PER_GRAPH layers instead of the whole stack. The first layer gets a
+    zero residual instead of None (x + 0 is x), so that its group is the same graph as the
+    others. The token embedding and the final norm, one op each, stay eager.
+    """
+
+    def __init__(self, model: nn.Module, layers_per_graph: int | None = None):
+        self.model = model
+        opaque_ops.register_layers(model)
+        layers, size = model.model.layers, layers_per_graph or LAYERS_PER_GRAPH
+        self._groups = [tuple(layers[i:i + size]) for i in range(0, len(layers), size)]
+        self._compiled = torch.compile(run_decoder_layers, fullgraph=True)
+        self._stance = None  # after warm-up: no recompiling, no guard evaluation
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden [num_tokens, hidden]."""
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
-        if not self._warm:
-            return self._compiled(input_ids, positions)
-        with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-            return self._compiled(input_ids, positions)
+        if self._stance is None:
+            return self.model(input_ids, positions, self._run_layers)
+        with torch.compiler.set_stance(self._stance, skip_guard_eval_unsafe=True):
+            return self.model(input_ids, positions, self._run_layers)
+
+    def _run_layers(self, layers, positions: torch.Tensor, hidden: torch.Tensor, residual: None):
+        residual = torch.zeros_like(hidden)
+        for group in self._groups:
+            if self._stance is None:  # compiling: no graph specialized on the token count
+                for t in (positions, hidden, residual):
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+            hidden, residual = self._compiled(group, positions, hidden, residual)
+        return hidden, residual
 
     def warm_up(self, step) -> None:
         """Compile now: `step()` runs one forward pass through this object (inside its context)."""
         step()
-        self._warm = True
+        self._stance = "fail_on_recompile"
 
     def close(self) -> None:
-        opaque_ops.unregister_layers(self._prefix)
+        opaque_ops.unregister_layers(self.model)

@@ -46,6 +46,7 @@ class ModelRunner:
         """`rank`: this runner's tensor-parallel rank; with tensor_parallel_size > 1 the caller
         (nanovllm/distributed) has already joined this process to the process group."""
         self.config = config
+        self.compiled_forward = None
         self.rank, self.tp_size = rank, config.tensor_parallel_size
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -221,8 +222,12 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the CUDA graphs; later steps run eager. nanovllm/distributed calls this on
         every rank before it destroys the process group: graphs that captured NCCL
-        collectives can make that hang while they are alive (pytorch/pytorch#115388)."""
+        collectives can make that hang while they are alive (pytorch/pytorch#115388). A compiled
+        CPU forward is dropped too."""
         self.graph_runner = None
+        if self.compiled_forward is not None:
+            self.compiled_forward.close()
+            self.compiled_forward = None
 
     # ---- one step -------------------------------------------------------------
 

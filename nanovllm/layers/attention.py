@@ -38,7 +38,7 @@ class Attention(nn.Module):
         """q: [num_tokens, heads, d]; k, v: [num_tokens, kv_heads, d] -> [num_tokens, heads * d]
         `kv_stored`: k and v are already in the cache (written through `kv_store`)."""
         if torch.compiler.is_compiling():  # a compiled CPU forward keeps it opaque (layers/opaque_ops.py)
-            return opaque_ops.attention(q, k, v, self.opaque_name)
+            return opaque_ops.attention(q, k, v, self.opaque_key)
         return self.forward_eager(q, k, v, kv_stored)
 
     def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:

@@ -84,7 +84,7 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # a compiled CPU forward keeps it opaque (layers/opaque_ops.py)
-            return opaque_ops.linear(x, self.opaque_name)
+            return opaque_ops.linear(x, self.opaque_key, self.output_size)
         return self.quant_method.apply(self, x, self.bias)
 
     def _copy_rows(self, param: nn.Parameter, loaded, offset: int, start: int, size: int) -> None:
