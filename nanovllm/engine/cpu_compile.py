@@ -13,11 +13,12 @@ guards are not evaluated on each call (`skip_guard_eval_unsafe`): with one graph
 nothing for them to choose between, and what they check (the dtypes and layout of the
 model's tensors, the inputs' dtype) does not change after start-up.
 
-Compile time: Dynamo traces the whole model in Python each time an engine starts; Inductor's
-compiled code is cached on disk (torch's FX graph / AOTAutograd caches, under
-`torch._inductor.config.cache_dir`: /tmp/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR
-says otherwise), so a second process skips the C++ compilation. benchmarks/RESULTS.md
-("B2 CPU, round 5") has both figures and the gain per step.
+Compile time: Dynamo traces one group of layers (CompiledForward) in Python each time an engine
+starts; Inductor's compiled code is cached on disk (torch's FX graph / AOTAutograd caches, in
+/tmp/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a later process
+skips the lowering and the C++ compilation: on SmolLM2, ~36 s with an empty cache, ~5 s from it,
+for a decode step 5-20% faster (benchmarks/RESULTS.md "B2 CPU, round 5", where the whole-model
+graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager.
 """
 
 import torch
@@ -28,7 +29,8 @@ from nanovllm.layers.fused_moe import SparseMoeBlock
 from nanovllm.models.decoder import run_decoder_layers
 
 COMPILE_MODE = 3
-# The mode a CPU engine runs when compilation_config is not given.
+# The mode a CPU engine runs when compilation_config is not given: eager, as the compile time
+# outweighs the gain for a short run (the README's first command).
 DEFAULT_CPU_MODE = 0
 # Decoder layers per compiled graph: the graph's call costs ~60-100 us of Python a step
 # (Dynamo, AOTAutograd and Inductor's wrappers), its compilation grows with its layers.
