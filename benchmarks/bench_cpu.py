@@ -248,6 +248,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="our dtype (default: auto)")
     ap.add_argument("--quantization", default=None,
                     help="our quantization (default: the file's, gguf: 4-bit layers packed; gguf_dequant: dense)")
+    ap.add_argument("--compilation-config", type=int, default=None, choices=(0, 3),
+                    help="our compilation mode: 0 eager, 3 the forward compiled by torch.compile (default: "
+                         "the engine's, eager on the CPU; benchmarks/bench_cpu_compile.py compares the two)")
     ap.add_argument("--hf-dtype", default="probe", choices=("probe", *DTYPES),
                     help="HF's dtype; probe: measure both, keep the faster (default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
@@ -286,7 +289,9 @@ def median(values: list[float]) -> float:
 
 
 def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine | None, dict]:
-    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype, quantization=args.quantization), lambda m, p, n: ours_generate(m, p, n))
+    ours = Engine("ours", lambda: LLM(path, dtype=args.dtype, quantization=args.quantization,
+                                      compilation_config=args.compilation_config),
+                  lambda m, p, n: ours_generate(m, p, n))
     probe, hf = {}, None
     if not args.skip_hf:
         dtype = args.hf_dtype
@@ -322,6 +327,7 @@ def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_p
     result = dict(bench="B2", threads=torch.get_num_threads(), repeats=args.repeats, load_average=" ".join(
                       f"{x:.2f}" for x in os.getloadavg()), num_prompts=n_prompts, max_tokens=args.max_tokens,
                   ours_dtype=str(ours.model.llm_engine.model_runner.dtype).removeprefix("torch."),
+                  ours_compilation_mode=ours.model.llm_engine.model_runner.compilation_mode,
                   ours_load_s=round(ours.load_s, 2), ours_s=round(seconds, 2), ours_tok_s=round(out_tokens / seconds, 1),
                   ours_single_decode_tok_s=round(median(ours.single), 1),
                   matmul_floor_s=round(floor, 2), fraction_of_floor=round(floor / seconds, 3))

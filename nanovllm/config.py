@@ -26,6 +26,10 @@ DEFAULT_BLOCK_SIZE = 16
 # next round is already launched; AsyncLLM holds chaining back while it has requests
 # queued). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
 DEFAULT_GPU_SCHEDULER_STEPS = 8
+# vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
+# forward pass (engine/cpu_compile.py). vLLM's 1 and 2 (stock torch.compile, trace once) are
+# not offered; on the GPU the forward runs Triton kernels and CUDA graphs instead.
+COMPILATION_MODES = {0: "none (eager)", 3: "compile the CPU forward pass with Inductor"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class Config:
     # checkpoint's own `quantization_config`, or dense weights when it has none. A name
     # quantizes an unquantized checkpoint at load, or must match the checkpoint's method.
     quantization: str | None = None
+    # vLLM's compilation_config, as its mode (an int, or {"mode": int} / {"level": int}):
+    # 0 eager, 3 the CPU forward compiled by torch.compile (engine/cpu_compile.py). None: the
+    # device's default (engine/cpu_compile.py says which). enforce_eager=True means 0.
+    compilation_config: int | dict | None = None
 
     def __post_init__(self):
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -82,6 +90,11 @@ class Config:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         check_quantization_option(self.quantization)
+        if self.compilation_config is not None:  # normalized to the mode (an int) once, here
+            object.__setattr__(self, "compilation_config", _compilation_mode(self.compilation_config))
+            if self.enforce_eager and self.compilation_config != 0:
+                raise ValueError(f"enforce_eager=True runs eagerly; it contradicts compilation_config mode "
+                                 f"{self.compilation_config}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -104,3 +117,16 @@ def _check_positive(cfg: Config, *names: str) -> None:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _compilation_mode(value) -> int:
+    """compilation_config as its mode: an int, or a dict of only "mode" (or vLLM's older "level")."""
+    if isinstance(value, dict):
+        if len(value) != 1 or next(iter(value)) not in ("mode", "level"):
+            raise ValueError(f"compilation_config takes only a mode here ({{'mode': 0}} or {{'mode': 3}}), "
+                             f"got {value!r}")
+        value = next(iter(value.values()))
+    if isinstance(value, bool) or value not in COMPILATION_MODES:
+        modes = ", ".join(f"{m} ({name})" for m, name in COMPILATION_MODES.items())
+        raise ValueError(f"compilation_config mode must be one of {modes}; got {value!r}")
+    return value

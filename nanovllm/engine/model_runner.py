@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_compilation_mode
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
 from nanovllm.engine.kv_scales import set_kv_scales
@@ -45,6 +46,7 @@ class ModelRunner:
         """`rank`: this runner's tensor-parallel rank; with tensor_parallel_size > 1 the caller
         (nanovllm/distributed) has already joined this process to the process group."""
         self.config = config
+        self.compiled_forward = None
         self.rank, self.tp_size = rank, config.tensor_parallel_size
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -68,6 +70,7 @@ class ModelRunner:
             self._compile_kernels()
             self.num_kvcache_blocks = self._allocate_kv_cache()
             self.graph_runner = self._capture_cuda_graphs()
+            self.compiled_forward = self._compile_forward()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
                 warm_up_kernels(self)
 
@@ -195,11 +198,36 @@ class ModelRunner:
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
 
+    def _compile_forward(self) -> CompiledForward | None:
+        """The CPU forward compiled by torch.compile (engine/cpu_compile.py), compiled now on a
+        one-token step into block 0 (which no sequence holds yet); None when it runs eagerly."""
+        self.compilation_mode = resolve_compilation_mode(self.config.compilation_config, self.config.enforce_eager,
+                                                         self.device, self.tp_size, self.model)
+        if self.compilation_mode != COMPILE_MODE:
+            return None
+        compiled = CompiledForward(self.model)
+
+        @torch.inference_mode()  # as every step runs: tensors made outside it have other dispatch keys
+        def step():
+            one = torch.zeros(1, dtype=torch.int64)
+            context = Context(slot_mapping=one, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+                              seq_lens_k=torch.ones(1, dtype=torch.int32),
+                              block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                              max_seqlen_q=1, max_seqlen_k=1, is_decode_only=True)
+            with set_context(context):
+                compiled(one, one.clone())
+        compiled.warm_up(step)
+        return compiled
+
     def shutdown(self) -> None:
         """Drop the CUDA graphs; later steps run eager. nanovllm/distributed calls this on
         every rank before it destroys the process group: graphs that captured NCCL
-        collectives can make that hang while they are alive (pytorch/pytorch#115388)."""
+        collectives can make that hang while they are alive (pytorch/pytorch#115388). A compiled
+        CPU forward is dropped too."""
         self.graph_runner = None
+        if self.compiled_forward is not None:
+            self.compiled_forward.close()
+            self.compiled_forward = None
 
     # ---- one step -------------------------------------------------------------
 
@@ -234,6 +262,8 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):
             return self.graph_runner.run(input_ids, positions, context)
+        if self.compiled_forward is not None:
+            return self.compiled_forward(input_ids, positions)
         return self.model(input_ids, positions)
 
     @torch.inference_mode()

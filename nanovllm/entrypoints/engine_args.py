@@ -10,7 +10,8 @@ from dataclasses import MISSING, fields
 
 from nanovllm.config import DEVICES, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, Config
 
-ENGINE_ARG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"]}
+ENGINE_ARG_ALIASES = {"tensor_parallel_size": ["-tp"], "kvcache_block_size": ["--block-size"],
+                      "compilation_config": ["-O"]}
 ENGINE_ARG_CHOICES = {"device": DEVICES, "dtype": DTYPES, "load_format": LOAD_FORMATS,
                       "kv_cache_dtype": KV_CACHE_DTYPES}
 ENGINE_ARG_HELP = {
@@ -21,7 +22,10 @@ ENGINE_ARG_HELP = {
     "device": "where to run; auto: cuda when torch sees a GPU, else cpu",
     "dtype": "weight and activation dtype; auto: the model's on GPU, on CPU bf16 where it is fast, else fp32",
     "load_format": "weights format; auto: .gguf files as GGUF, directories as safetensors",
-    "enforce_eager": "disable CUDA graphs",
+    "enforce_eager": "disable CUDA graphs and torch.compile",
+    "compilation_config": "torch.compile mode (vLLM's -O): 0 eager; 3 compiles the CPU forward pass with "
+                          "Inductor (decode steps 5-20%% faster on SmolLM2, tens of seconds more start-up, "
+                          "less from its cache on later starts); default: 0",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "kvcache_block_size": "tokens per KV cache block",
     "kv_cache_dtype": "KV cache element type; auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: "

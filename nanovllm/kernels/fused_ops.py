@@ -71,7 +71,10 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of `positions` [num_tokens]: each [num_tokens, 1, d/2]. Every layer of a step
-    passes the same two tensors, so the lookup is done once per step."""
+    passes the same two tensors, so the lookup is done once per step (eagerly; a compiled forward
+    fuses it into each rotation instead)."""
+    if torch.compiler.is_compiling():
+        return cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
     return once_per_step("cos_sin", (positions, cos_sin_cache),
                          lambda: cos_sin_cache[positions].unsqueeze(1).chunk(2, -1))
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fused_ops import KVStore
+from nanovllm.layers import opaque_ops
 from nanovllm.utils.context import get_context
 
 
@@ -36,6 +37,11 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         """q: [num_tokens, heads, d]; k, v: [num_tokens, kv_heads, d] -> [num_tokens, heads * d]
         `kv_stored`: k and v are already in the cache (written through `kv_store`)."""
+        if torch.compiler.is_compiling():  # a compiled CPU forward keeps it opaque (layers/opaque_ops.py)
+            return opaque_ops.attention(q, k, v, self.opaque_key)
+        return self.forward_eager(q, k, v, kv_stored)
+
+    def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         ctx = get_context()
         if self.kv_amax is not None:
             torch.maximum(self.kv_amax, torch.stack([k.abs().amax((0, 2)), v.abs().amax((0, 2))]).float(),

@@ -21,6 +21,7 @@ count that neither divides nor is divided by the TP size is a clear error.
 import torch
 from torch import nn
 
+from nanovllm.layers import opaque_ops
 from nanovllm.layers.quantization import get_linear_method, set_shard_tags
 from nanovllm.utils.parallel import all_reduce, divide, get_tp_rank, get_tp_size
 
@@ -82,6 +83,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled CPU forward keeps it opaque (layers/opaque_ops.py)
+            return opaque_ops.linear(x, self.opaque_key, self.output_size)
         return self.quant_method.apply(self, x, self.bias)
 
     def _copy_rows(self, param: nn.Parameter, loaded, offset: int, start: int, size: int) -> None:

@@ -84,6 +84,13 @@ class DecoderLayer(nn.Module):
         return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 
 
+def run_decoder_layers(layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+    """`layers` one after the other; returns their (hidden, residual)."""
+    for layer in layers:
+        hidden, residual = layer(positions, hidden, residual)
+    return hidden, residual
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int):
         super().__init__()
@@ -95,12 +102,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embedding_multiplier = cfg.embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, run_layers=None) -> torch.Tensor:
+        """`run_layers(layers, positions, hidden, residual) -> (hidden, residual)`: how the decoder
+        layers run (engine/cpu_compile.py passes its compiled form); None: `run_decoder_layers`."""
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        hidden, residual = (run_layers or run_decoder_layers)(self.layers, positions, hidden, None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -132,8 +140,8 @@ class DecoderForCausalLM(nn.Module):
         """(packed parameter, shard id) of an expert checkpoint tensor; None for any other."""
         return map_expert_name(name)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, run_layers=None) -> torch.Tensor:
+        return self.model(input_ids, positions, run_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [num_tokens, hidden] -> logits [num_sampled, vocab] of the rows to sample."""
