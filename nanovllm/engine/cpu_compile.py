@@ -21,6 +21,8 @@ for a decode step 5-20% faster (benchmarks/RESULTS.md "B2 CPU, round 5", where t
 graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager.
 """
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -100,7 +102,10 @@ class CompiledForward:
 
     def warm_up(self, step) -> None:
         """Compile now: `step()` runs one forward pass through this object (inside its context)."""
-        step()
+        with warnings.catch_warnings():  # raised by torch's own modules that Inductor imports
+            warnings.filterwarnings("ignore", message=".*torch.jit.script_method.* is deprecated",
+                                    category=DeprecationWarning)
+            step()
         self._stance = "fail_on_recompile"
 
     def close(self) -> None:
