@@ -165,8 +165,8 @@ def _engine_caches(num_blocks, block_size=4, kv_heads=2, d=8):
 
 def test_decode_steps_through_the_mirror_match_the_reference(monkeypatch):
     """Prefill, then decode steps that cross block boundaries, one sequence ending (the batch
-    shrinks: a rebuild), then growth again: every step equals the reference, and the steps that
-    grew the batch by one token read the mirror."""
+    shrinks: a rebuild), then growth again: every step equals the reference, and the steps after
+    a batch lasted one step read the mirror."""
     from nanovllm.kernels import cpu_decode_mirror
     appended = []
     append = cpu_decode_mirror.append
@@ -183,7 +183,7 @@ def test_decode_steps_through_the_mirror_match_the_reference(monkeypatch):
         lens = [n + 1 for n in lens]
         ours, ref = _layer_step(k_cache, v_cache, tables, lens, [1] * len(lens), gen)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
-    assert len(appended) == 8  # all but the first decode step and the one after the batch changed
+    assert len(appended) == 6  # all but the first two decode steps of each batch (gathered; mirrored at the second)
 
 
 def test_a_prefill_into_an_ended_sequences_blocks_is_not_read_from_its_mirror():
@@ -194,9 +194,10 @@ def test_a_prefill_into_an_ended_sequences_blocks_is_not_read_from_its_mirror():
     k_cache, v_cache = _engine_caches(64)
     tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     _layer_step(k_cache, v_cache, tables, [5, 7], [5, 7], gen)
-    _layer_step(k_cache, v_cache, tables, [6, 8], [1, 1], gen)  # mirror built
-    _layer_step(k_cache, v_cache, tables[1:], [8], [8], gen)     # Y: a prompt of 8 into X's blocks
-    ours, ref = _layer_step(k_cache, v_cache, tables, [7, 9], [1, 1], gen)
+    _layer_step(k_cache, v_cache, tables, [6, 8], [1, 1], gen)
+    _layer_step(k_cache, v_cache, tables, [7, 9], [1, 1], gen)  # mirror filled
+    _layer_step(k_cache, v_cache, tables[1:], [9], [9], gen)     # Y: a prompt of 9 into X's blocks
+    ours, ref = _layer_step(k_cache, v_cache, tables, [8, 10], [1, 1], gen)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -209,4 +210,5 @@ def test_no_mirror_where_it_would_outgrow_the_paged_cache():
     for lens in ([21, 18], [22, 19]):
         ours, ref = _layer_step(k_cache, v_cache, tables, lens, [1, 1], gen)
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
-    assert cpu_decode_mirror._mirror_of(k_cache) is None
+    mirror = cpu_decode_mirror._mirror_of(k_cache)
+    assert mirror.k is None and not mirror.held

@@ -143,7 +143,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, all sequences in one batch of products, the K/V from the
     layer's decode mirror when this step is its last one grown by one (cpu_decode_mirror.py),
-    else gathered from the paged cache (and mirrored for the next step).
+    else gathered from the paged cache (and mirrored for the next step if the batch lasts).
 
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
     """
@@ -155,10 +155,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         blocks, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
         k = _gather(k_cache, blocks, unowned, k_scale, q.dtype, "k").unflatten(1, (num_seqs, -1))
         v = _gather(v_cache, blocks, unowned, v_scale, q.dtype, "v").unflatten(1, (num_seqs, -1))
-        mirror = cpu_decode_mirror.build(k_cache, v_cache, k, v, block_tables, seq_lens_k)
-        if mirror is None:  # no room for one: attend over the gather
+        mirror = cpu_decode_mirror.remember(k_cache, v_cache, k, v, block_tables, seq_lens_k)
+        if mirror is None:  # not mirrored (yet): attend over the gather
             return _attend(q, k, v, _key_mask(seq_lens_k, k.shape[2]), scale)
-    max_len = _longest(seq_lens_k)
+    max_len = cpu_decode_mirror.longest(seq_lens_k)
     return _attend(q, mirror.k[:, :, :max_len], mirror.v[:, :, :max_len], _key_mask(seq_lens_k, max_len), scale)
 
 
@@ -225,10 +225,6 @@ def _build_decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, blo
     positions = torch.arange(block_tables.shape[1] * block_size, device=seq_lens_k.device)
     unowned = positions >= seq_lens_k[:, None]  # [num_seqs, max_len]
     return blocks, unowned.flatten().nonzero().squeeze(1)
-
-
-def _longest(seq_lens_k: torch.Tensor) -> int:
-    return once_per_step("longest", (seq_lens_k,), lambda: int(seq_lens_k.max()))
 
 
 def _key_mask(seq_lens_k: torch.Tensor, width: int) -> torch.Tensor:

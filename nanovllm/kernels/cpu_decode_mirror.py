@@ -11,12 +11,16 @@ an fp8 cache is dequantized once per row, not once per step) and appends that ro
 A mirror is used only when the step is its last step grown by one: the same rows in the
 same order, each `seq_lens_k` one more, the same blocks under every position it holds, and
 room in its capacity (`MIRROR_SLACK_TOKENS` past the longest context when it was built).
-Anything else rebuilds it from the paged cache. A layer call that attends without the
-batched decode path (a prefill step, a mixed step with one decode) may have stored into
-blocks that a sequence of the mirror held before it ended: it invalidates that layer's
-mirror (`invalidate`), so no later step can match rows written since. (A mixed step's
-decodes update the mirror to its own decode rows, so rows of sequences that ended are gone
-from it before the next step compares.) Mirrors are per cache tensor and dropped with it.
+Otherwise the step gathers from the paged cache, and the mirror is filled from that gather
+only if the step grew the one before (a batch that lasts: where the batch changes every
+step, as a server's may, no step pays for a copy it would not reuse).
+
+A layer call that attends without the batched decode path (a prefill step, a mixed step
+with one decode) may have stored into blocks that a sequence of the mirror held before it
+ended: it invalidates that layer's mirror (`invalidate`), so no later step can match rows
+written since. (Every batched decode call notes its own rows, a mixed step's decodes too,
+so rows of sequences that ended are gone from the note before the next step compares.)
+Mirrors are per cache tensor and dropped with it.
 
 Memory: a mirror holds a second copy of its layer's live K/V, with padding to the longest
 context and the slack; it is not built when that would exceed the layer's own paged cache
@@ -39,10 +43,11 @@ _mirrors: dict = {}  # {id(k_cache): Mirror}; an engine steps its caches from on
 @dataclass
 class Mirror:
     cache: weakref.ref          # the layer's k_cache (id() alone could be reused by a later cache)
-    k: torch.Tensor             # [kv_heads, num_seqs, capacity, d]
-    v: torch.Tensor             # [kv_heads, num_seqs, capacity, d]
-    block_tables: torch.Tensor | None  # the step it holds (None: invalidated); [num_seqs, max_blocks]
+    block_tables: torch.Tensor | None  # the last decode step seen (None: invalidated); [num_seqs, max_blocks]
     seq_lens_k: torch.Tensor | None    # [num_seqs]
+    k: torch.Tensor | None = None      # [kv_heads, num_seqs, capacity, d], kept for reuse when not `held`
+    v: torch.Tensor | None = None
+    held: bool = False                 # k, v hold that step's K/V
 
 
 def invalidate(k_cache: torch.Tensor) -> None:
@@ -50,6 +55,7 @@ def invalidate(k_cache: torch.Tensor) -> None:
     mirror = _mirror_of(k_cache)
     if mirror is not None:
         mirror.block_tables = mirror.seq_lens_k = None
+        mirror.held = False
 
 
 def _mirror_of(k_cache: torch.Tensor) -> Mirror | None:
@@ -58,50 +64,70 @@ def _mirror_of(k_cache: torch.Tensor) -> Mirror | None:
 
 
 def lookup(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens_k: torch.Tensor) -> Mirror | None:
-    """This layer's mirror if this step is its last step grown by one, else None."""
+    """This layer's mirror if it holds the last step, this step grew it by one and it has room."""
     mirror = _mirror_of(k_cache)
-    if mirror is None or mirror.block_tables is None:
+    if mirror is None or not mirror.held or not _grew(mirror, block_tables, seq_lens_k, k_cache.shape[1]):
         return None
-    grown = once_per_step("mirror_grown", (mirror.block_tables, mirror.seq_lens_k, block_tables, seq_lens_k,
-                                           mirror.k.shape[2], k_cache.shape[1]),
-                          lambda: _grown_by_one(mirror, block_tables, seq_lens_k, k_cache.shape[1]))
-    return mirror if grown else None
+    return mirror if longest(seq_lens_k) <= mirror.k.shape[2] else None
 
 
-def _grown_by_one(mirror: Mirror, block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int) -> bool:
-    old_tables, old_lens = mirror.block_tables, mirror.seq_lens_k
+def _grew(mirror: Mirror, block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int) -> bool:
+    """This step is the mirror's last step grown by one token per sequence (once per step)."""
+    if mirror.block_tables is None:
+        return False
+    return once_per_step("mirror_grew", (mirror.block_tables, mirror.seq_lens_k, block_tables, seq_lens_k, block_size),
+                         lambda: _grown_by_one(mirror.block_tables, mirror.seq_lens_k, block_tables, seq_lens_k,
+                                               block_size))
+
+
+def _grown_by_one(old_tables: torch.Tensor, old_lens: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens_k: torch.Tensor, block_size: int) -> bool:
     if len(seq_lens_k) != len(old_lens) or not torch.equal(seq_lens_k, old_lens + 1):
         return False
-    if int(seq_lens_k.max()) > mirror.k.shape[2] or block_tables.shape[1] < old_tables.shape[1]:
+    if block_tables.shape[1] < old_tables.shape[1]:
         return False
     held = torch.arange(old_tables.shape[1]) < (old_lens[:, None] + block_size - 1) // block_size
     return torch.equal(block_tables[:, :old_tables.shape[1]][held], old_tables[held])
 
 
-def build(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          block_tables: torch.Tensor, seq_lens_k: torch.Tensor) -> Mirror | None:
-    """A mirror of this step's gathered k, v ([kv_heads, num_seqs, len, d], zero past each
-    sequence's length), in the layer's old buffers where they are large enough; None (and
-    no mirror) when it would take more memory than the layer's paged cache."""
+def remember(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             block_tables: torch.Tensor, seq_lens_k: torch.Tensor) -> Mirror | None:
+    """After a step that gathered k, v ([kv_heads, num_seqs, len, d], zero past each sequence's
+    length): the layer's mirror holding them if this step grew the last one (a batch that lasts:
+    a batch that changes every step pays no copy), else None with this step noted.
+
+    A mirror is not built where it would take more memory than the layer's paged cache."""
+    mirror = _mirror_of(k_cache)
+    if mirror is None:
+        key = id(k_cache)
+        mirror = Mirror(weakref.ref(k_cache, lambda _: _mirrors.pop(key, None)), None, None)
+        _mirrors[key] = mirror
+    grew = _grew(mirror, block_tables, seq_lens_k, k_cache.shape[1])
+    mirror.block_tables, mirror.seq_lens_k = _snapshot(block_tables, seq_lens_k)
+    mirror.held = grew and _fill(mirror, k_cache, v_cache, k, v, longest(seq_lens_k) + MIRROR_SLACK_TOKENS)
+    return mirror if mirror.held else None
+
+
+def _fill(mirror: Mirror, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          capacity: int) -> bool:
+    """Copy k, v into the mirror's buffers (the old ones where large enough), zero past them;
+    False (buffers dropped) where they would outgrow the layer's paged cache."""
     kv_heads, num_seqs, width, d = k.shape
-    # (the gather's width is the block tables': whole blocks, and as wide as their padding)
-    shape = (kv_heads, num_seqs, max(width, int(seq_lens_k.max()) + MIRROR_SLACK_TOKENS), d)
-    old = _mirrors.pop(id(k_cache), None)
+    shape = (kv_heads, num_seqs, max(width, capacity), d)  # (the gather is whole blocks, as wide as the tables)
     if 2 * math.prod(shape) * k.element_size() > _cache_bytes(k_cache, v_cache):
-        return None
-    if (old is not None and old.cache() is k_cache and old.k.dtype == k.dtype and old.k.numel() >= math.prod(shape)
-            and old.k.is_inference() == torch.is_inference_mode_enabled()):
-        bufs = [b.view(-1)[:math.prod(shape)].view(shape) for b in (old.k, old.v)]
+        mirror.k = mirror.v = None
+        return False
+    old = mirror.k
+    if (old is None or old.dtype != k.dtype or old.numel() < math.prod(shape)
+            or old.is_inference() != torch.is_inference_mode_enabled()):
+        mirror.k = mirror.v = None  # (the old buffers go before the new ones are made)
+        mirror.k, mirror.v = k.new_empty(shape), v.new_empty(shape)
     else:
-        bufs = [k.new_empty(shape), v.new_empty(shape)]
-    for buf, src in zip(bufs, (k, v)):
+        mirror.k, mirror.v = (b.view(-1)[:math.prod(shape)].view(shape) for b in (mirror.k, mirror.v))
+    for buf, src in ((mirror.k, k), (mirror.v, v)):
         buf[:, :, :width].copy_(src)
         buf[:, :, width:].zero_()
-    key = id(k_cache)
-    mirror = Mirror(weakref.ref(k_cache, lambda _: _mirrors.pop(key, None)), bufs[0], bufs[1],
-                    *_snapshot(block_tables, seq_lens_k))
-    _mirrors[key] = mirror
-    return mirror
+    return True
 
 
 def append(mirror: Mirror, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -133,6 +159,11 @@ def _snapshot(block_tables: torch.Tensor, seq_lens_k: torch.Tensor) -> tuple[tor
     """Copies of the step's tables and lengths (once per step: every layer's mirror shares them)."""
     return once_per_step("mirror_snapshot", (block_tables, seq_lens_k),
                          lambda: (block_tables.clone(), seq_lens_k.clone()))
+
+
+def longest(seq_lens_k: torch.Tensor) -> int:
+    """The step's longest context (once per step)."""
+    return once_per_step("longest", (seq_lens_k,), lambda: int(seq_lens_k.max()))
 
 
 def _cache_bytes(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
