@@ -5,13 +5,17 @@ import torch
 from nanovllm.kernels import cpu_attn, step_memo, torch_ref
 
 
-def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=16, seed=0):
-    """A shuffled paged cache holding `seq_lens` contexts, with -1-padded block tables."""
+def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=16, seed=0, layout="contiguous"):
+    """A shuffled paged cache holding `seq_lens` contexts, with -1-padded block tables.
+    layout: "contiguous" ([num_blocks, block_size, kv_heads, d] memory) or "heads_major"
+    (cpu_attn.new_kv_cache, the engine's CPU cache), holding the same values."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks that no table points at
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    if layout == "heads_major":
+        k_cache, v_cache = _in_engine_layout(k_cache), _in_engine_layout(v_cache)
     order = torch.randperm(num_blocks, generator=gen).tolist()
     width = max(blocks_per_seq) + 1  # one more column than any sequence needs: padding must be ignored
     tables = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
@@ -22,19 +26,32 @@ def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_si
     return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), tables
 
 
+def _in_engine_layout(cache: torch.Tensor) -> torch.Tensor:
+    """`cache`'s values in a cache made by cpu_attn.new_kv_cache (memory [kv_heads, blocks, rows, d])."""
+    out = cpu_attn.new_kv_cache(tuple(cache.shape), cache.dtype, cache.device)[0]
+    out.copy_(cache)
+    assert out.permute(2, 0, 1, 3).is_contiguous() and torch.equal(out, cache)
+    return out
+
+
+LAYOUTS = ["contiguous", "heads_major"]
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (9, 3), (8, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_decode_matches_reference(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, layout):
     seq_lens = [1, 16, 17, 40, 5, 33]
-    case = _paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, block_size=block_size)
+    case = _paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, block_size=block_size, layout=layout)
     expected = torch_ref.paged_attention(*case, scale=0.25)
     torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.25), expected, rtol=1e-5, atol=1e-5)
     trimmed = cpu_attn.paged_attention(*case, scale=0.25, max_seqlen_q=1, max_seqlen_k=max(seq_lens))
     torch.testing.assert_close(trimmed, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_and_mixed_steps_match_reference():
-    case = _paged_case([7, 30, 1, 18], [7, 12, 1, 1], num_heads=6, num_kv_heads=2)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_and_mixed_steps_match_reference(layout):
+    case = _paged_case([7, 30, 1, 18], [7, 12, 1, 1], num_heads=6, num_kv_heads=2, layout=layout)
     torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.3), torch_ref.paged_attention(*case, scale=0.3),
                                rtol=1e-5, atol=1e-5)
 
@@ -45,10 +62,13 @@ def test_cpu_backend_is_registered():
 
 
 @pytest.mark.parametrize("slots", [[5, 0, 17, 3], [5, -1, 17, -1], []])
-def test_store_kvcache_matches_reference(slots):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_kvcache_matches_reference(slots, layout):
     gen = torch.Generator().manual_seed(1)
     k, v = torch.randn(len(slots), 2, 8, generator=gen), torch.randn(len(slots), 2, 8, generator=gen)
     caches = [torch.zeros(3, 8, 2, 8) for _ in range(4)]
+    if layout == "heads_major":  # ours in the engine's layout, the reference's contiguous
+        caches[:2] = [_in_engine_layout(c) for c in caches[:2]]
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     cpu_attn.store_kvcache(k, v, caches[0], caches[1], slot_mapping)
     torch_ref.store_kvcache(k, v, caches[2], caches[3], slot_mapping)
@@ -56,11 +76,12 @@ def test_store_kvcache_matches_reference(slots):
     assert bool(caches[0].any()) == any(s >= 0 for s in slots)
 
 
-def test_nan_in_slots_no_sequence_owns_does_not_leak():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_in_slots_no_sequence_owns_does_not_leak(layout):
     """An uninitialised cache can hold NaN bit patterns past a sequence's end and in padding
     blocks: weight 0 times NaN must not reach the output."""
     seq_lens = [3, 20, 16, 9]
-    q, k_cache, v_cache, cu, lens, tables = _paged_case(seq_lens, [1] * 4, num_heads=6, num_kv_heads=2)
+    q, k_cache, v_cache, cu, lens, tables = _paged_case(seq_lens, [1] * 4, num_heads=6, num_kv_heads=2, layout=layout)
     owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for table, n in zip(tables.tolist(), seq_lens):
         for p in range(n):
@@ -81,14 +102,113 @@ def test_buffers_made_in_inference_mode_serve_calls_outside_it():
 
 
 @pytest.mark.parametrize("q_lens", [[7, 1, 12, 1, 1], [1, 1, 5], [3, 1, 1, 4, 1, 2], [1, 6]])
-def test_mixed_steps_split_decodes_from_prefills(q_lens):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mixed_steps_split_decodes_from_prefills(q_lens, layout):
     """Decodes of a mixed step take the batched path, its prefill chunks the reference; together
     they equal the reference's whole step (prefills first, last, between, alone)."""
     seq_lens = [n + 11 * i for i, n in enumerate(q_lens)]
-    case = _paged_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, block_size=5)
+    case = _paged_case(seq_lens, q_lens, num_heads=6, num_kv_heads=2, block_size=5, layout=layout)
     expected = torch_ref.paged_attention(*case, scale=0.3)
     for _ in range(2):  # the second call reuses the step's split and plan
         torch.testing.assert_close(cpu_attn.paged_attention(*case, scale=0.3, max_seqlen_k=max(seq_lens)),
                                    expected, rtol=1e-5, atol=1e-5)
     if sum(n == 1 for n in q_lens) >= 2:
         assert step_memo._local.mixed_split[1] is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_in_engine_layout_equals_its_dequantized_values(dtype):
+    """Stores quantize into the heads-major fp8 cache (moved as bytes); decode reads it back as
+    attention over the dequantized cache, and the stored bytes are the reference store's."""
+    from nanovllm.kernels import kv_quant
+    seq_lens = [9, 30, 17]
+    q, k_src, v_src, _, lens, tables = _paged_case(seq_lens, [1] * 3, num_heads=4, num_kv_heads=2)
+    scales = torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])
+    ours = cpu_attn.new_kv_cache(tuple(k_src.shape), dtype, k_src.device)
+    ref = torch.zeros(k_src.shape, dtype=dtype), torch.zeros(k_src.shape, dtype=dtype)
+    slots = torch.arange(k_src.shape[0] * k_src.shape[1])
+    rows = k_src.view(-1, *k_src.shape[2:]), v_src.view(-1, *v_src.shape[2:])
+    cpu_attn.store_kvcache(*rows, *ours, slots, *scales)
+    torch_ref.store_kvcache(*rows, *ref, slots, *scales)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    deq = [kv_quant.dequantize(c.view(-1, *c.shape[2:]), s, torch.float32).view(c.shape) for c, s in zip(ours, scales)]
+    torch.testing.assert_close(cpu_attn.decode_attention(q, *ours, lens, tables, 0.25, None, *scales),
+                               torch_ref.paged_attention(q, *deq, torch.arange(4, dtype=torch.int32), lens, tables, 0.25),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---- decode mirrors (kernels/cpu_decode_mirror.py) ------------------------------------------
+
+def _layer_step(k_cache, v_cache, tables, seq_lens, q_lens, gen, num_heads=4):
+    """One layer's work in an engine step: store this step's K/V, then attend; returns ours and
+    the reference's output over the same cache."""
+    kv_heads, d, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, q_lens)])
+    rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+    key, value = torch.randn(len(slots), kv_heads, d, generator=gen), torch.randn(len(slots), kv_heads, d, generator=gen)
+    cpu_attn.store_kvcache(key, value, k_cache, v_cache, slots)
+    q = torch.randn(int(cu[-1]), num_heads, d, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ours = cpu_attn.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.3, max_seqlen_k=max(seq_lens))
+    return ours, torch_ref.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.3)
+
+
+def _engine_caches(num_blocks, block_size=4, kv_heads=2, d=8):
+    caches = cpu_attn.new_kv_cache((num_blocks, block_size, kv_heads, d), torch.float32, torch.device("cpu"))
+    for c in caches:
+        c.fill_(float("nan"))  # what an unwritten cache may hold
+    return caches
+
+
+def test_decode_steps_through_the_mirror_match_the_reference(monkeypatch):
+    """Prefill, then decode steps that cross block boundaries, one sequence ending (the batch
+    shrinks: a rebuild), then growth again: every step equals the reference, and the steps after
+    a batch lasted one step read the mirror."""
+    from nanovllm.kernels import cpu_decode_mirror
+    appended = []
+    append = cpu_decode_mirror.append
+    monkeypatch.setattr(cpu_decode_mirror, "append", lambda *args: appended.append(1) or append(*args))
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = _engine_caches(64)
+    tables = torch.tensor([[0, 5, 9, 2, 7, 11], [3, 4, 1, 6, 8, 10], [12, 13, 14, 15, 16, 17]], dtype=torch.int32)
+    lens = [6, 3, 9]
+    ours, ref = _layer_step(k_cache, v_cache, tables, lens, lens, gen)  # prefill
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    for step in range(10):
+        if step == 5:  # the second sequence ends
+            tables, lens = tables[[0, 2]], [lens[0], lens[2]]
+        lens = [n + 1 for n in lens]
+        ours, ref = _layer_step(k_cache, v_cache, tables, lens, [1] * len(lens), gen)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert len(appended) == 6  # all but the first two decode steps of each batch (gathered; mirrored at the second)
+
+
+def test_a_prefill_into_an_ended_sequences_blocks_is_not_read_from_its_mirror():
+    """Sequence X ends; a prompt Y takes X's blocks, in the same row, and its first decode step
+    looks exactly like X's next one (same table, length + 1): the prefill step must have
+    invalidated the mirror, or X's K/V would be read for Y."""
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache = _engine_caches(64)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    _layer_step(k_cache, v_cache, tables, [5, 7], [5, 7], gen)
+    _layer_step(k_cache, v_cache, tables, [6, 8], [1, 1], gen)
+    _layer_step(k_cache, v_cache, tables, [7, 9], [1, 1], gen)  # mirror filled
+    _layer_step(k_cache, v_cache, tables[1:], [9], [9], gen)     # Y: a prompt of 9 into X's blocks
+    ours, ref = _layer_step(k_cache, v_cache, tables, [8, 10], [1, 1], gen)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_no_mirror_where_it_would_outgrow_the_paged_cache():
+    from nanovllm.kernels import cpu_decode_mirror
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = _engine_caches(4, block_size=16)  # 64 slots: a mirror needs 2 x (20 + slack) rows
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    _layer_step(k_cache, v_cache, tables, [20, 17], [20, 17], gen)
+    for lens in ([21, 18], [22, 19]):
+        ours, ref = _layer_step(k_cache, v_cache, tables, lens, [1, 1], gen)
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    mirror = cpu_decode_mirror._mirror_of(k_cache)
+    assert mirror.k is None and not mirror.held

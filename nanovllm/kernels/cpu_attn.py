@@ -5,26 +5,36 @@ costs one small SDPA call per sequence and layer: at 64 sequences and 30 layers,
 1,920 calls per decode step. Here a decode-only step (every sequence has one query
 token) does, per layer:
 
-1. gather each sequence's K/V blocks with one `index_select` per cache (whole
-   16-token blocks: contiguous copies, about 4x faster than indexing by slot),
-   padded to the widest block table: `[num_seqs, max_blocks * block_size, kv_heads, d]`;
+1. each sequence's K/V as `[kv_heads, num_seqs, max_len, d]`: from the layer's decode
+   mirror (kernels/cpu_decode_mirror.py: last step's K/V, one row per sequence appended)
+   when this step is the last one grown by one token, else gathered from the paged
+   cache with one `index_select` per cache (whole 16-token blocks: contiguous copies,
+   about 4x faster than indexing by slot), padded to the widest block table;
 2. one `scaled_dot_product_attention` over all sequences, with a key-length mask.
    Grouped-query heads are folded into the query length (the G query heads of a KV
    head become G queries of that head), so no K/V head is repeated and torch's CPU
    flash-attention kernel applies.
 
+The CPU cache keeps the KV-head dimension outside the blocks (`new_kv_cache`: memory
+`[kv_heads, num_blocks, block_size, d]`, handed out as the `[num_blocks, block_size,
+kv_heads, d]` view every reader indexes), so the gather of step 1 is already the layout
+the products read, each (sequence, head) a contiguous `[max_len, d]` matrix. On the
+layout that interleaves heads (`[num_blocks, block_size, kv_heads, d]` memory, what
+tests and the fp8 calibration allocate) the same code runs, its gather slower.
+
 A mixed step (decodes beside prefill chunks: every serving step while prompts arrive)
 splits: its decodes go through the batched path, its prefill chunks through `torch_ref`
 (once per prompt, not per token). A step of prefills only goes to `torch_ref` whole.
 Signatures are those of `torch_ref`; tests compare the two. An fp8 cache is gathered as
-bytes and dequantized before SDPA (which rejects fp8), as in `torch_ref`.
+bytes and dequantized before the products, as in `torch_ref`.
 """
+import math
 import threading
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import kv_quant, torch_ref
+from nanovllm.kernels import cpu_decode_mirror, kv_quant, torch_ref
 from nanovllm.kernels.step_memo import once_per_step
 
 # Per-thread state (two engines stepping in two threads must not share it): the buffers
@@ -72,6 +82,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                 k_scale, v_scale)
     split = _mixed_split(cu_seqlens_q, seq_lens_k, block_tables)
     if split is None:  # fewer than two decodes: nothing to batch
+        cpu_decode_mirror.invalidate(k_cache)  # (this step may have stored into blocks the mirror held)
         return torch_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
                                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                          k_scale=k_scale, v_scale=v_scale)
@@ -112,52 +123,92 @@ def _build_mixed_split(cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, blo
             prefill_rows, prefill_cu, seq_lens_k[prefills], block_tables[prefills])
 
 
+def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches, each [num_blocks, block_size, num_kv_heads, head_dim], as
+    permuted views of [num_kv_heads, num_blocks, block_size, head_dim] memory.
+
+    Code that indexes the cache by (block, row, head) reads the same values as on the
+    contiguous layout (`torch_ref`, the stores, prefix caching's block ids are unchanged);
+    merging the block and row dimensions (`view(-1, kv_heads, d)`, a flat slot index) is
+    still a view. The decode gather gets each (sequence, head) as one [len, d] matrix.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    memory = (num_kv_heads, num_blocks, block_size, head_dim)
+    return tuple(torch.empty(memory, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(2))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_seqlen_k: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One query token per sequence, all sequences in one SDPA call.
+    """One query token per sequence, all sequences in one batch of products, the K/V from the
+    layer's decode mirror when this step is its last one grown by one (cpu_decode_mirror.py),
+    else gathered from the paged cache (and mirrored for the next step if the batch lasts).
 
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
     """
+    mirror = cpu_decode_mirror.lookup(k_cache, block_tables, seq_lens_k)
+    if mirror is not None:
+        cpu_decode_mirror.append(mirror, k_cache, v_cache, block_tables, seq_lens_k, (k_scale, v_scale))
+    else:
+        num_seqs = q.shape[0]
+        blocks, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
+        k = _gather(k_cache, blocks, unowned, k_scale, q.dtype, "k").unflatten(1, (num_seqs, -1))
+        v = _gather(v_cache, blocks, unowned, v_scale, q.dtype, "v").unflatten(1, (num_seqs, -1))
+        mirror = cpu_decode_mirror.remember(k_cache, v_cache, k, v, block_tables, seq_lens_k)
+        if mirror is None:  # not mirrored (yet): attend over the gather
+            return _attend(q, k, v, _key_mask(seq_lens_k, k.shape[2]), scale)
+    max_len = cpu_decode_mirror.longest(seq_lens_k)
+    return _attend(q, mirror.k[:, :, :max_len], mirror.v[:, :, :max_len], _key_mask(seq_lens_k, max_len), scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [num_seqs, num_heads, d]; k, v: [kv_heads, num_seqs, max_len, d], each [max_len, d] matrix
+    contiguous; mask: additive, [1, num_seqs, 1, max_len] -> [num_seqs, num_heads, d]."""
     num_seqs, num_heads, d = q.shape
-    num_kv_heads = k_cache.shape[2]
-    blocks, mask, unowned = _decode_plan(block_tables, seq_lens_k, k_cache.shape[1], max_seqlen_k)
-    k = _gather(k_cache, blocks, unowned, "k").view(num_seqs, -1, num_kv_heads, d)  # [num_seqs, max_len, kv_heads, d]
-    v = _gather(v_cache, blocks, unowned, "v").view(num_seqs, -1, num_kv_heads, d)
-    if kv_quant.is_fp8(k_cache.dtype):  # unowned slots are 0 bytes, fp8 0.0
-        k, v = kv_quant.dequantize(k, k_scale, q.dtype), kv_quant.dequantize(v, v_scale, q.dtype)
+    num_kv_heads, _, max_len, _ = k.shape
     group = num_heads // num_kv_heads
-    o = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_kv_heads, group, d), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask.to(q.dtype), scale=scale)  # [num_seqs, kv_heads, group, d]
-    return o.reshape(num_seqs, num_heads, d)
+    o = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, group, d).transpose(0, 1), k, v,
+                                       attn_mask=mask.to(q.dtype), scale=scale)  # [kv_heads, num_seqs, group, d]
+    return o.transpose(0, 1).reshape(num_seqs, num_heads, d)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, name: str) -> torch.Tensor:
-    """cache[blocks] ([len(blocks), block_size, kv_heads, d]) in this thread's reused buffer, with the
-    slots no sequence owns zeroed.
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, unowned: torch.Tensor, scale: torch.Tensor | None,
+            dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The blocks `blocks` of every KV head, `[kv_heads, len(blocks) * block_size, d]` in `dtype`
+    (dequantized from an fp8 cache), in this thread's reused buffer, with the rows no sequence
+    owns zeroed.
 
-    Those slots (past a sequence's length: the tail of its last block, -1 padding) hold
+    Those rows (past a sequence's length: the tail of its last block, -1 padding) hold
     whatever the cache had, NaN bit patterns included: the mask gives them weight 0, but
     0 * NaN is NaN. Only they are filled (`unowned`: their row numbers), not the whole copy.
     """
-    dtype, cache = cache.dtype, kv_quant.as_bytes(cache)  # fp8: moved as bytes
-    shape = (len(blocks), *cache.shape[1:])
-    numel = shape[0] * cache[0].numel()
+    cache_dtype = cache.dtype
+    heads_major = kv_quant.as_bytes(cache).permute(2, 0, 1, 3)  # [kv_heads, num_blocks, block_size, d]
+    shape = (heads_major.shape[0], len(blocks), *heads_major.shape[2:])
+    out = torch.index_select(heads_major, 1, blocks, out=_buffer(name, shape, heads_major))
+    out = out.flatten(1, 2)  # [kv_heads, len(blocks) * block_size, d]
+    out.index_fill_(1, unowned, 0)  # (fp8: 0 bytes are 0.0)
+    if kv_quant.is_fp8(cache_dtype):
+        return (out.view(cache_dtype).float() * scale.view(-1, 1, 1)).to(dtype)
+    return out
+
+
+def _buffer(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A `shape` tensor of `like`'s dtype from this thread's buffer `name`, grown when too small."""
+    numel = math.prod(shape)
     buf = getattr(_local, name, None)
-    if (buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device
-            or buf.is_inference() != torch.is_inference_mode_enabled()):  # (written in place below)
-        buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+    if (buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device
+            or buf.is_inference() != torch.is_inference_mode_enabled()):  # (written in place by the caller)
+        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
         setattr(_local, name, buf)
-    out = torch.index_select(cache, 0, blocks, out=buf[:numel].view(shape))
-    out.view(-1, *cache.shape[2:]).index_fill_(0, unowned, 0)
-    return kv_quant.as_dtype(out, dtype)
+    return buf[:numel].view(shape)
 
 
 def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,
-                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block ids to gather [num_seqs * max_blocks], the additive key mask [num_seqs, 1, 1, max_len],
-    and the row numbers of the gathered slots no sequence owns [num_unowned].
+                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block ids to gather [num_seqs * max_blocks] and the row numbers of the gathered slots no
+    sequence owns [num_unowned].
 
     Every layer of a step gets the same `block_tables` and `seq_lens_k` tensors (from
     one Context), so the plan is built once per step, not per layer (step_memo).
@@ -167,14 +218,19 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_siz
 
 
 def _build_decode_plan(block_tables: torch.Tensor, seq_lens_k: torch.Tensor, block_size: int,
-                 max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       max_seqlen_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     if max_seqlen_k is not None:  # the host-known bound trims table columns no sequence uses
         block_tables = block_tables[:, :-(-max_seqlen_k // block_size)]
     blocks = block_tables.clamp_min(0).flatten().long()  # -1 padding reads block 0, masked below
     positions = torch.arange(block_tables.shape[1] * block_size, device=seq_lens_k.device)
     unowned = positions >= seq_lens_k[:, None]  # [num_seqs, max_len]
-    mask = torch.zeros(len(seq_lens_k), 1, 1, len(positions), device=seq_lens_k.device)
-    mask.masked_fill_(unowned[:, None, None, :], float("-inf"))
-    return blocks, mask, unowned.flatten().nonzero().squeeze(1)
+    return blocks, unowned.flatten().nonzero().squeeze(1)
 
 
+def _key_mask(seq_lens_k: torch.Tensor, width: int) -> torch.Tensor:
+    """The additive mask of `width` key positions, -inf past each sequence's length.  # [1, num_seqs, 1, width]"""
+    def compute():
+        unowned = torch.arange(width, device=seq_lens_k.device) >= seq_lens_k[:, None]  # [num_seqs, width]
+        return torch.zeros(1, *unowned.shape[:1], 1, width, device=seq_lens_k.device).masked_fill_(
+            unowned[None, :, None, :], float("-inf"))
+    return once_per_step("key_mask", (seq_lens_k, width), compute)
