@@ -38,7 +38,8 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from nanovllm.engine.engine_core import IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog, engine_stats
+from nanovllm.engine.engine_core import (IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog, engine_stats,
+                                         step_engine)
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -377,14 +378,10 @@ class EngineThread:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = step_engine(self.engine, self._throughput, self._live_ids)
         except Exception as e:
             self._die(e)
             return
-        self._throughput.record(self.engine, outputs)
-        for output in outputs:
-            if output.finished:
-                self._live_ids.discard(output.request_id)
         if outputs:
             self._call_in_loop(self._deliver, outputs)
 

@@ -79,6 +79,15 @@ def decode_output(encoded: tuple, prompt: str | None, prompt_token_ids: list[int
                          finished, num_cached_tokens, prompt_logprobs)
 
 
+def step_engine(engine, throughput: "ThroughputLog", live_ids: set[str]) -> list[RequestOutput]:
+    """One `engine.step()` of a serving loop (the engine thread's or the engine process's): the
+    throughput line told, finished requests dropped from `live_ids`. Raises what the step raises."""
+    outputs = engine.step()
+    throughput.record(engine, outputs)
+    live_ids.difference_update(output.request_id for output in outputs if output.finished)
+    return outputs
+
+
 # ---- the throughput line (written by whichever thread or process runs the loop) -------------------
 
 class ThroughputLog:
@@ -245,14 +254,10 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = step_engine(self.engine, self.throughput, self.live_ids)
         except Exception as e:
             self._die(e)
             return
-        self.throughput.record(self.engine, outputs)
-        for output in outputs:
-            if output.finished:
-                self.live_ids.discard(output.request_id)
         if outputs:
             self._send(("outputs", encode_outputs(outputs), engine_stats(self.engine)))
 
