@@ -615,12 +615,12 @@ def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: 
             cfg["maxnreg"] = maxnreg
         return cfg
     if large_prefill:
-        block_m = max(PREFILL_LARGE_BLOCK_M, qpk_pad)
-        return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_LARGE_BLOCK_N,
-                    num_warps=PREFILL_LARGE_NUM_WARPS, num_stages=PREFILL_LARGE_NUM_STAGES)
-    block_m = max(PREFILL_BLOCK_M, qpk_pad)
-    return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N,
-                num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES)
+        rows, keys, warps, stages = (PREFILL_LARGE_BLOCK_M, PREFILL_LARGE_BLOCK_N,
+                                     PREFILL_LARGE_NUM_WARPS, PREFILL_LARGE_NUM_STAGES)
+    else:
+        rows, keys, warps, stages = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_NUM_WARPS, PREFILL_NUM_STAGES
+    block_m = max(rows, qpk_pad)
+    return dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=keys, num_warps=warps, num_stages=stages)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
