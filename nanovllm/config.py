@@ -17,15 +17,16 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's; "fp8" is e4
 # at most 15 slots, and our attention kernels gather keys by slot, so the block size
 # does not constrain their tile shapes (Nano-vLLM's 256 comes from flash-attn's paging).
 DEFAULT_BLOCK_SIZE = 16
-# Eight decode steps per scheduling round on a GPU. With async scheduling (the next round
+# Sixteen decode steps per scheduling round on a GPU. With async scheduling (the next round
 # launched before the host has seen the last step of the current one) B1 on the H200 ran
-# 23.4k tok/s at 4, 23.5-23.7k at 8 and 23.6-23.7k at 16 steps on one machine
-# (benchmarks/RESULTS.md "B1"): past 8 the throughput is flat, while newcomers wait for a
-# round boundary and streams get their tokens a round at a time (8 steps: ~45 ms at B1's
-# batch; a request added between `LLMEngine.step` calls may wait one round more, as the
-# next round is already launched; AsyncLLM holds chaining back while it has requests
-# queued). Without async scheduling longer rounds paid off (8: 20.4-20.7k, 16: 21.7k).
-DEFAULT_GPU_SCHEDULER_STEPS = 8
+# 23.4k tok/s at 4, 23.5-23.7k at 8 and 23.6-23.7k at 16 steps on one machine (offline the
+# throughput is flat past 8), but serving is not: B3 (bench_serving.py, 64 concurrent
+# streams) served 23.7k and 24.0k tok/s at 16 against 21.4k and 22.2k at 8, alternating on one
+# machine (1 step: 7.3-7.9k, 4: 19.9k), at the same TTFT (benchmarks/RESULTS.md "Eleventh
+# session"). The cost: streams get their tokens a round at a time (16 steps: ~35 ms at B3's
+# batch), and a request added between `LLMEngine.step` calls may wait one round more, as the
+# next round is already launched (AsyncLLM holds chaining back while it has requests queued).
+DEFAULT_GPU_SCHEDULER_STEPS = 16
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
 # forward pass (engine/cpu_compile.py). vLLM's 1 and 2 (stock torch.compile, trace once) are
 # not offered; on the GPU the forward runs Triton kernels and CUDA graphs instead.

@@ -33,7 +33,7 @@ ENGINE_ARG_HELP = {
     "num_kvcache_blocks": "fixed number of KV cache blocks (overrides the memory budget)",
     "kv_cache_memory_bytes": "CPU: bytes for the KV cache",
     "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",
-    "num_scheduler_steps": "decode steps per scheduling round; default: 8 on one GPU, else 1",
+    "num_scheduler_steps": "decode steps per scheduling round; default: 16 on one GPU, else 1",
     "async_scheduling": "launch each decode round before the host has seen the previous one's last "
                         "step; default: on with multi-step rounds on a GPU",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
