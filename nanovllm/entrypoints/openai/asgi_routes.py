@@ -98,13 +98,13 @@ async def stream_events(request: RawRequest, send, stream) -> None:
     """Send a `ChunkStream` as server-sent events until it ends or the client goes away;
     its requests are aborted either way."""
     from nanovllm.entrypoints.openai.serving_engine import SSE_DONE, sse_events
-    events = sse_events(stream.chunks)
+    events = sse_events(stream.chunks, stream.num_choices)
 
     async def send_all() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for data in events:
-            # the last event ends the body in the same write
-            await send({"type": "http.response.body", "body": data, "more_body": data is not SSE_DONE})
+            # the last events end the body in the same write
+            await send({"type": "http.response.body", "body": data, "more_body": not data.endswith(SSE_DONE)})
     try:
         await until_disconnected(request, send_all())
     finally:

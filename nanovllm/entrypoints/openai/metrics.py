@@ -65,17 +65,19 @@ class ServerMetrics:
         last_token_time = None
         async for output in outputs:
             now = time.monotonic()
-            num_new = max((len(c.token_ids) for c in output.outputs), default=0)
+            num_new = 0   # the most new tokens of one completion (one pass: this runs per streamed delta)
+            for c in output.outputs:
+                n = len(c.token_ids)
+                self.num_generation_tokens += n
+                num_new = n if n > num_new else num_new
+                if c.finish_reason is not None:
+                    self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
             if num_new and last_token_time is None:
                 self.ttft.observe(now - arrival)
                 self.num_prompt_tokens += len(output.prompt_token_ids)
             elif num_new:
                 self.tpot.observe((now - last_token_time) / num_new)
             last_token_time = now if num_new else last_token_time
-            self.num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-            for c in output.outputs:
-                if c.finish_reason is not None:
-                    self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
             if output.finished:
                 self.e2e.observe(now - arrival)
             yield output
