@@ -168,7 +168,8 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
                 await conn.close()
 
 
-def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float] | None]:
+def run_timed(url: str, args,
+              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float] | None]:
     """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
     process's, its child processes' (the engine process in multiprocess mode) and its main
     thread's (the event loop); None: not started here. The CPU time counts the warm-up request too."""

@@ -48,7 +48,8 @@ CHUNKS = [
 def test_chunk_encoder_writes_exactly_what_json_dumps_writes():
     encoder = ChunkEncoder()
     for chunk in CHUNKS:   # the head changes on the last one: re-rendered
-        assert encoder.event(chunk) == f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+        expected = f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        assert encoder.event(chunk) == expected.encode()
 
 
 async def _events(chunks, num_choices, error=None):
@@ -131,7 +132,8 @@ def test_chunks_of_several_tokens_fold_to_the_non_streamed_text(async_llm, route
     choices = [c["choices"][0] for c in chunks if c["choices"]]
     if route == "chat":
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}
-        text, expected = "".join(c["delta"].get("content", "") for c in choices), whole.json()["choices"][0]["message"]["content"]
+        text = "".join(c["delta"].get("content", "") for c in choices)
+        expected = whole.json()["choices"][0]["message"]["content"]
     else:
         text, expected = "".join(c["text"] for c in choices), whole.json()["choices"][0]["text"]
     assert text == expected and text
