@@ -73,40 +73,51 @@ class GenerationRoute:
 
 
 async def serve_generation(state, parse, create, scope: dict, receive, send) -> None:
-    """Answer one POST of a generation route (see `GenerationRoute`)."""
+    """Answer one POST of a generation route (see `GenerationRoute`). One disconnect watcher
+    covers the handler and, for a streaming request, its stream."""
     from nanovllm.entrypoints.openai.serving_engine import ChunkStream
     request = RawRequest(scope, receive)
+    streaming = False   # True once the response is a stream: errors from then on go up to the server
+
+    async def respond():
+        nonlocal streaming
+        result = await create(req)
+        if isinstance(result, ChunkStream):
+            streaming = True
+            await stream_events(send, result)
+        return result
     try:
         state.check_api_key(request)
         req = parse(await state.read_json(request))
-        result = await until_disconnected(request, create(req))
+        result = await until_disconnected(request, respond())
+        if streaming:
+            return
         if result is None:
             return await send_body(send, CLIENT_CLOSED_REQUEST, b"", None)
-        if not isinstance(result, ChunkStream):
-            return await send_json(send, 200, result)
+        return await send_json(send, 200, result)
     except ClientGone:
         return
     except APIError as e:
+        if streaming:
+            raise
         return await send_json(send, e.status, error_body(e.status, e.message, e.param, e.code))
     except Exception as e:
+        if streaming:
+            raise
         logger.exception("unexpected error while serving POST %s", scope["path"])
         return await send_json(send, 500, error_body(500, f"internal server error: {type(e).__name__}"))
-    await stream_events(request, send, result)
 
 
-async def stream_events(request: RawRequest, send, stream) -> None:
-    """Send a `ChunkStream` as server-sent events until it ends or the client goes away;
-    its requests are aborted either way."""
+async def stream_events(send, stream) -> None:
+    """Send a `ChunkStream` as server-sent events; its requests are aborted however it ends
+    (the client going away cancels this)."""
     from nanovllm.entrypoints.openai.serving_engine import SSE_DONE, sse_events
     events = sse_events(stream.chunks, stream.num_choices)
-
-    async def send_all() -> None:
+    try:
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         async for data in events:
             # the last events end the body in the same write
             await send({"type": "http.response.body", "body": data, "more_body": not data.endswith(SSE_DONE)})
-    try:
-        await until_disconnected(request, send_all())
     finally:
         stream.abort()
         await events.aclose()
