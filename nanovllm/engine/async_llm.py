@@ -69,11 +69,13 @@ class RequestStream:
         self.finished = False
         self._abort = abort
         self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None   # the consumer's, while it waits for an item
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
-        self._ready.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():   # done: the consumer was cancelled
+            waiter.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -82,8 +84,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True

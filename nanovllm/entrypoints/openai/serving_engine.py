@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, check_model, error_body
-from nanovllm.entrypoints.openai.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from nanovllm.entrypoints.openai.prompt_encoder import PromptEncoder
 from nanovllm.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanovllm.outputs import Logprob, RequestOutput
@@ -121,9 +121,11 @@ class OpenAIServing:
     async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every stream as they come; closing aborts the unfinished."""
         arrival = time.monotonic()
-        if len(streams) == 1:
+        if len(streams) == 1:   # timed here, not through track(): one async generator less per delta
+            timer = RequestTimer(self.metrics, arrival)
             try:
-                async for output in self.metrics.track(streams[0], arrival):
+                async for output in streams[0]:
+                    timer.observe(output)
                     yield 0, output
             finally:
                 streams[0].abort()
