@@ -24,7 +24,6 @@ from nanovllm.entrypoints.openai.errors import APIError, error_body
 
 logger = logging.getLogger("nanovllm")
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 JSON_CONTENT_TYPE = (b"content-type", b"application/json")
 CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
