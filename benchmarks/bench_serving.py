@@ -168,16 +168,19 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
                 await conn.close()
 
 
-def run_timed(url: str, args, server_pid: int | None) -> tuple[list[dict], float, tuple[float, float] | None]:
+def run_timed(url: str, args,
+              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float] | None]:
     """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
-    process's and its child processes' (the engine process in multiprocess mode); None: not
-    started here. The CPU time counts the warm-up request too."""
+    process's, its child processes' (the engine process in multiprocess mode) and its main
+    thread's (the event loop); None: not started here. The CPU time counts the warm-up request too."""
     cpu_start = server_cpu_s(server_pid) if server_pid else None
+    loop_start = process_cpu_s(server_pid, server_pid) if server_pid else None
     results, elapsed = asyncio.run(run_clients(url, args))
     if not server_pid:
         return results, elapsed, None
     cpu_end = server_cpu_s(server_pid)
-    return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1])
+    loop_end = process_cpu_s(server_pid, server_pid)
+    return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1], loop_end - loop_start)
 
 
 def server_cpu_s(pid: int) -> tuple[float, float]:
@@ -185,9 +188,10 @@ def server_cpu_s(pid: int) -> tuple[float, float]:
     return process_cpu_s(pid), sum(process_cpu_s(c) + server_cpu_s(c)[1] for c in child_pids(pid))
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process `pid` has used so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
+def process_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds (user + system) process `pid` has used so far, every thread or only thread
+    `tid` (Linux /proc)."""
+    with open(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -209,7 +213,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float] | None, args) -> dict:
+def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float, float] | None, args) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in ok]
@@ -223,11 +227,13 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
             "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 1) if ttft else None,
             "tpot_median_ms": round(statistics.median(tpot) * 1e3, 2) if tpot else None,
             "tpot_p99_ms": round(percentile(tpot, 99) * 1e3, 2) if tpot else None,
-            "server_cpu_ms_per_token": per_token_ms(sum(server_cpu), out_tokens) if server_cpu else None,
+            "server_cpu_ms_per_token": per_token_ms(sum(server_cpu[:2]), out_tokens) if server_cpu else None,
             # the split: the server's own process (event loop; + engine thread in thread mode) and
             # its children (the engine process in multiprocess mode)
             "frontend_cpu_ms_per_token": per_token_ms(server_cpu[0], out_tokens) if server_cpu else None,
             "engine_process_cpu_ms_per_token": per_token_ms(server_cpu[1], out_tokens) if server_cpu else None,
+            # of the server's own process, its main thread: the event loop (HTTP, templates, streams)
+            "event_loop_cpu_ms_per_token": per_token_ms(server_cpu[2], out_tokens) if server_cpu else None,
             "first_errors": errors[:3]}
 
 
@@ -305,7 +311,8 @@ def main() -> None:
     print(f"  TPOT median {summary['tpot_median_ms']} ms, p99 {summary['tpot_p99_ms']} ms")
     if summary["server_cpu_ms_per_token"] is not None:
         print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token (its own process "
-              f"{summary['frontend_cpu_ms_per_token']}, child processes {summary['engine_process_cpu_ms_per_token']})")
+              f"{summary['frontend_cpu_ms_per_token']}, of it the event loop {summary['event_loop_cpu_ms_per_token']}; "
+              f"child processes {summary['engine_process_cpu_ms_per_token']})")
     if args.offline_baseline:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
               f"(serving / offline = {summary['serving_over_offline']}); "

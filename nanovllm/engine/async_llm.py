@@ -69,11 +69,13 @@ class RequestStream:
         self.finished = False
         self._abort = abort
         self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None   # the consumer's, while it waits for an item
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
-        self._ready.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():   # done: the consumer was cancelled
+            waiter.set_result(None)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -82,8 +84,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
@@ -286,6 +288,7 @@ class EngineThread:
         self._deliver: Callable | None = None
         self._fail: Callable | None = None
         self._live_ids: set[str] = set()                  # engine-thread side
+        self._replies: list[tuple[asyncio.Future, BaseException | None]] = []  # acceptances not yet sent
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         # requests and aborts queued here join at the next round boundary, not one round later
         engine.requests_arriving = lambda: not self._commands.empty()
@@ -306,9 +309,11 @@ class EngineThread:
         self._loop, self._deliver, self._fail = loop, deliver, fail
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        # an event-loop future, settled from the engine thread by one call per batch of commands
+        # (a concurrent Future + wrap_future cost a lock, a condition and a loop wake-up each)
+        accepted = self._loop.create_future()
         self._submit(lambda: self._add_in_engine(request_id, prompt, params, accepted))
-        await asyncio.wrap_future(accepted)
+        await accepted
 
     def abort(self, request_id: str) -> None:
         self._submit(lambda: self._abort_in_engine(request_id))
@@ -328,19 +333,19 @@ class EngineThread:
     # ---- engine-thread side -----------------------------------------------------
 
     def _add_in_engine(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                       accepted: concurrent.futures.Future) -> None:
-        if not accepted.set_running_or_notify_cancel():
-            return  # the caller went away while waiting; its abort command follows
+                       accepted: asyncio.Future) -> None:
+        if accepted.cancelled():
+            return  # the caller went away while waiting; its abort command follows (also if it goes now)
         if self.dead_error is not None:
-            accepted.set_exception(self.dead_error)
+            self._replies.append((accepted, self.dead_error))
             return
         try:
             self.engine.add_request(request_id, prompt, params)
         except Exception as e:  # ValueError for bad input; passed on as it is
-            accepted.set_exception(e)
+            self._replies.append((accepted, e))
             return
         self._live_ids.add(request_id)
-        accepted.set_result(request_id)
+        self._replies.append((accepted, None))
 
     def _abort_in_engine(self, request_id: str) -> None:
         if request_id in self._live_ids:
@@ -368,13 +373,18 @@ class EngineThread:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
-        while command is not None:
-            _run_logged(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-        return False
+        try:
+            while command is not None:
+                _run_logged(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return True
+            return False
+        finally:
+            if self._replies:   # the batch's acceptances, in one call on the event loop
+                replies, self._replies = self._replies, []
+                self._call_in_loop(_settle_all, replies)
 
     def _step(self) -> None:
         try:
@@ -426,6 +436,17 @@ def _run_logged(command: Callable[[], None]) -> None:
         command()
     except Exception:
         logger.exception("engine command failed")
+
+
+def _settle_all(replies: list[tuple[asyncio.Future, BaseException | None]]) -> None:
+    """On the event loop: settle add_request futures (None: accepted); a cancelled one stays so."""
+    for future, error in replies:
+        if future.done():
+            continue
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
 
 def _complete(future: concurrent.futures.Future, fn: Callable, *args) -> None:

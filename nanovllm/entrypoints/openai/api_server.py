@@ -15,7 +15,6 @@ fastapi and uvicorn are imported only when the server is built, so `add_cli_args
 works (for `nanovllm --help`) without them.
 """
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -40,7 +39,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 # The engine loop in a thread of the server's process unless --enable-frontend-multiprocessing: on the
 # 2-core CPU machine the process mode measured no faster (benchmarks/RESULTS.md, "Tenth session").
 DEFAULT_SERVER_MULTIPROCESS_MODE = False
-CLIENT_CLOSED_REQUEST = 499     # nginx's status for "the client went away"; nobody reads it
 
 
 # ---- command line ---------------------------------------------------------------------
@@ -111,46 +109,6 @@ async def read_json_object(request, max_bytes: int) -> dict:
     return value
 
 
-async def until_disconnected(request, coro):
-    """Await `coro`, cancelling it if the client disconnects first; returns None then."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return task.result() if not task.cancelled() else None
-
-
-async def _wait_for_disconnect(request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def sse_response_class():
-    from starlette.responses import StreamingResponse
-
-    class SSEResponse(StreamingResponse):
-        """Server-sent events of a `ChunkStream`; however it ends, unfinished requests are aborted."""
-        media_type = "text/event-stream"
-
-        def __init__(self, stream):
-            from nanovllm.entrypoints.openai.serving_engine import sse_events
-            super().__init__(sse_events(stream.chunks), headers={"Cache-Control": "no-cache"})
-            self.stream = stream
-
-        async def __call__(self, scope, receive, send):
-            try:
-                await super().__call__(scope, receive, send)
-            finally:
-                self.stream.abort()
-                await self.body_iterator.aclose()
-    return SSEResponse
-
-
 # ---- the app -------------------------------------------------------------------------------
 
 class ServerState:
@@ -169,7 +127,6 @@ class ServerState:
                                       reasoning)
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_request_body_bytes = max_request_body_bytes
-        self.sse_response = sse_response_class()
 
     def check_api_key(self, request) -> None:
         """The guarded routes' dependency: a constant-time compare with the configured key."""
@@ -178,17 +135,6 @@ class ServerState:
     async def read_json(self, request) -> dict:
         return await read_json_object(request, self.max_request_body_bytes)
 
-    async def respond(self, request, coro):
-        """Run a completion handler; stream its chunks as SSE or answer its folded JSON."""
-        from fastapi.responses import JSONResponse, Response
-        from nanovllm.entrypoints.openai.serving_engine import ChunkStream
-        result = await until_disconnected(request, coro)
-        if result is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if isinstance(result, ChunkStream):
-            return self.sse_response(result)
-        return JSONResponse(result)
-
 
 def build_app(async_llm, served_model_names: list[str], chat_template=None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_parser: str | None = None,
@@ -196,8 +142,9 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
     """The FastAPI app serving `async_llm`; its shutdown stops the engine. `tool_parser`: the
     parser of tool_choice "auto" (None: "auto" is refused); `reasoning_parser`: a name of
     reasoning_parsers.py (ValueError if this tokenizer lacks its tags)."""
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import Depends, Request
     from nanovllm import __version__
+    from nanovllm.entrypoints.openai.asgi_routes import server_app_class
 
     @asynccontextmanager
     async def lifespan(app):
@@ -206,7 +153,7 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
 
     state = ServerState(async_llm, served_model_names, chat_template, api_key, max_request_body_bytes,
                         tool_parser, reasoning_parser)
-    app = FastAPI(title="nano-vLLM OpenAI-compatible server", version=__version__, lifespan=lifespan)
+    app = server_app_class()(title="nano-vLLM OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
 
@@ -214,24 +161,22 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
         state.check_api_key(request)
     # without a key nothing is checked, so the routes skip FastAPI's dependency pass
     guarded = [Depends(require_api_key)] if api_key is not None else []
-    _add_generation_routes(app, state, guarded)
+    _add_generation_routes(app, state)
     _add_token_routes(app, state, guarded)
     _add_info_routes(app, state, guarded)
     return app
 
 
-def _add_generation_routes(app, state: ServerState, guarded: list) -> None:
-    from fastapi import Request
-
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(request: Request):
-        req = parse_completion_request(await state.read_json(request))
-        return await state.respond(request, state.completion.create_completion(req))
-
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(request: Request):
-        req = parse_chat_request(await state.read_json(request))
-        return await state.respond(request, state.chat.create_chat_completion(req))
+def _add_generation_routes(app, state: ServerState) -> None:
+    """The two generation routes, answered on plain ASGI (asgi_routes.py): POSTs reach them ahead of
+    FastAPI's stack; the router has them too, so other methods get a 405. They check the API key
+    themselves."""
+    from nanovllm.entrypoints.openai.asgi_routes import GenerationRoute
+    routes = {"/v1/completions": GenerationRoute(state, parse_completion_request, state.completion.create_completion),
+              "/v1/chat/completions": GenerationRoute(state, parse_chat_request, state.chat.create_chat_completion)}
+    for path, route in routes.items():
+        app.router.add_route(path, route, methods=["POST"])
+    app.generation_routes = routes
 
 
 def _add_token_routes(app, state: ServerState, guarded: list) -> None:

@@ -62,22 +62,9 @@ class ServerMetrics:
 
     async def track(self, outputs: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Yield `outputs` unchanged, timing them from `arrival` (a `time.monotonic()` value)."""
-        last_token_time = None
+        timer = RequestTimer(self, arrival)
         async for output in outputs:
-            now = time.monotonic()
-            num_new = max((len(c.token_ids) for c in output.outputs), default=0)
-            if num_new and last_token_time is None:
-                self.ttft.observe(now - arrival)
-                self.num_prompt_tokens += len(output.prompt_token_ids)
-            elif num_new:
-                self.tpot.observe((now - last_token_time) / num_new)
-            last_token_time = now if num_new else last_token_time
-            self.num_generation_tokens += sum(len(c.token_ids) for c in output.outputs)
-            for c in output.outputs:
-                if c.finish_reason is not None:
-                    self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
-            if output.finished:
-                self.e2e.observe(now - arrival)
+            timer.observe(output)
             yield output
 
     def render(self, engine: dict) -> str:
@@ -104,6 +91,35 @@ class ServerMetrics:
         for hist in (self.ttft, self.tpot, self.e2e):
             lines += hist.lines()
         return "\n".join(lines) + "\n"
+
+
+class RequestTimer:
+    """One engine request's timing into `ServerMetrics`, one call per output (a streamed delta)."""
+    __slots__ = ("metrics", "arrival", "last_token_time")
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival   # arrival: a `time.monotonic()` value
+        self.last_token_time: float | None = None
+
+    def observe(self, output: RequestOutput) -> None:
+        m = self.metrics
+        now = time.monotonic()
+        num_new = 0   # the most new tokens of one completion (one pass: this runs per streamed delta)
+        for c in output.outputs:
+            n = len(c.token_ids)
+            m.num_generation_tokens += n
+            num_new = n if n > num_new else num_new
+            if c.finish_reason is not None:
+                m.finished[c.finish_reason] = m.finished.get(c.finish_reason, 0) + 1
+        if num_new and self.last_token_time is None:
+            m.ttft.observe(now - self.arrival)
+            m.num_prompt_tokens += len(output.prompt_token_ids)
+        elif num_new:
+            m.tpot.observe((now - self.last_token_time) / num_new)
+        if num_new:
+            self.last_token_time = now
+        if output.finished:
+            m.e2e.observe(now - self.arrival)
 
 
 def engine_snapshot(async_llm) -> dict:

@@ -66,7 +66,7 @@ class OpenAIServingChat(OpenAIServing):
         parsers = [ChoiceParser.of(req.tools, self.tool_parser, self.reasoning, token_ids) for _ in range(params.n)]
         chunks = self._chunks(request_id, req, len(token_ids), self.merged(streams), parsers, include_usage)
         if req.stream:
-            return ChunkStream(chunks, streams)
+            return ChunkStream(chunks, streams, params.n)
         return fold_chat(await collect(chunks))
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict:

@@ -38,7 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = req.include_usage or not req.stream
         chunks = self._chunks(request_id, req, prompts, self.merged(streams), params.n, include_usage)
         if req.stream:
-            return ChunkStream(chunks, streams)
+            return ChunkStream(chunks, streams, params.n * len(prompts))
         return fold_completion(await collect(chunks))
 
     def _prompt_input(self, prompt: str | list[int]) -> PromptInput:

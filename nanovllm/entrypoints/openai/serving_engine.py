@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from nanovllm.entrypoints.openai.errors import APIError, bad_request, check_model, error_body
-from nanovllm.entrypoints.openai.metrics import ServerMetrics
+from nanovllm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from nanovllm.entrypoints.openai.prompt_encoder import PromptEncoder
 from nanovllm.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanovllm.outputs import Logprob, RequestOutput
@@ -41,9 +41,10 @@ class Usage:
 
 @dataclass
 class ChunkStream:
-    """A streaming response's chunks and the engine requests behind them."""
+    """A streaming response's chunks, the engine requests behind them and its number of choices."""
     chunks: AsyncIterator[dict]
     streams: list[RequestStream]
+    num_choices: int | None = None
 
     def abort(self) -> None:
         """Abort whatever is still running (also when the chunks were never read)."""
@@ -120,9 +121,11 @@ class OpenAIServing:
     async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) from every stream as they come; closing aborts the unfinished."""
         arrival = time.monotonic()
-        if len(streams) == 1:
+        if len(streams) == 1:   # timed here, not through track(): one async generator less per delta
+            timer = RequestTimer(self.metrics, arrival)
             try:
-                async for output in self.metrics.track(streams[0], arrival):
+                async for output in streams[0]:
+                    timer.observe(output)
                     yield 0, output
             finally:
                 streams[0].abort()
@@ -221,20 +224,64 @@ async def _merge(tracked: list[AsyncIterator[RequestOutput]],
 
 # ---- SSE and folding -------------------------------------------------------------------
 
+# one encoder for every response (json.dumps with options builds a new one each call)
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+CHUNK_HEAD_KEYS = ("id", "object", "created", "model", "choices")
+
+
 def dumps(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _JSON.encode(obj)
 
 
-async def sse_events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-    """Server-sent events of `chunks`, ending with `data: [DONE]`; an engine fault becomes an error event."""
+class ChunkEncoder:
+    """One stream's chunks as SSE events, each exactly `data: {dumps(chunk)}`: the fields every
+    chunk of a stream shares (id, object, created, model) are rendered once."""
+
+    def __init__(self):
+        self._head: tuple | None = None
+        self._prefix = ""
+
+    def event(self, chunk: dict) -> bytes:
+        head = (chunk["id"], chunk["object"], chunk["created"], chunk["model"])
+        if head != self._head:
+            self._head = head
+            self._prefix = "data: {" + ",".join(f"{_JSON.encode(k)}:{_JSON.encode(v)}"
+                                                for k, v in zip(CHUNK_HEAD_KEYS, head)) + ',"choices":'
+        assert tuple(chunk)[:5] == CHUNK_HEAD_KEYS and len(chunk) <= 6, tuple(chunk)
+        usage = chunk.get("usage")
+        tail = "}\n\n" if usage is None else f',"usage":{_JSON.encode(usage)}}}\n\n'
+        return (self._prefix + _JSON.encode(chunk["choices"]) + tail).encode()
+
+
+async def sse_events(chunks: AsyncIterator[dict], num_choices: int | None = None) -> AsyncIterator[bytes]:
+    """Server-sent events of `chunks`, ending with `data: [DONE]`; an engine fault becomes an error event.
+
+    Events that follow one another with nothing to wait for between them are yielded together
+    (one write to the client instead of several): the opening role chunks go with the first
+    token's, and once all `num_choices` choices (None: unknown) have their finish reason, the
+    rest (the usage chunk) goes with `[DONE]`.
+    """
+    encoder = ChunkEncoder()
+    held: list[bytes] = []
+    unfinished = num_choices
     try:
         async for chunk in chunks:
-            yield f"data: {dumps(chunk)}\n\n".encode()
+            held.append(encoder.event(chunk))
+            choices = chunk["choices"]
+            if choices and all("role" in c.get("delta", ()) for c in choices):
+                continue  # a role chunk: sent with what comes next
+            if unfinished is not None:
+                unfinished -= sum(1 for c in choices if c["finish_reason"] is not None)
+                if unfinished <= 0:
+                    continue  # all done: the rest comes at once
+            yield b"".join(held)
+            held.clear()
     except EngineDeadError as e:
-        yield f"data: {dumps(error_body(503, str(e)))}\n\n".encode()
+        held.append(f"data: {dumps(error_body(503, str(e)))}\n\n".encode())
     finally:
         await chunks.aclose()
-    yield SSE_DONE
+    held.append(SSE_DONE)
+    yield b"".join(held)
 
 
 async def collect(chunks: AsyncIterator[dict]) -> list[dict]:

@@ -139,7 +139,7 @@ class EngineReplica:
             return
         yield {"status": 200, "body": None}
         try:
-            async for event in sse_events(chunks.chunks):
+            async for event in sse_events(chunks.chunks, chunks.num_choices):
                 yield event
         finally:
             chunks.abort()
