@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models of each family, built once per pytest session; the embedded
-SmolLM2 as one LLM for the session; the sampling kernels' module for their tests."""
+SmolLM2 as one LLM for the session; the sampling kernels' module for their tests. Under
+pytest-xdist (`-n 2`), how the files split over the workers (xdist_plan.py)."""
 import importlib.util
 import os
 import sys
@@ -9,6 +10,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_models import FAMILIES, build_tiny_model  # noqa: E402
+import xdist_plan  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if xdist_plan.is_worker():
+        xdist_plan.longest_first(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_plan.make_scheduler(config, log)
 
 
 def pytest_collection_finish(session):

@@ -86,7 +86,10 @@ def test_quantize_rows_scales_each_row_to_e4m3_max(gen):
     assert torch.equal(values, values.to(FP8).float()), "not e4m3 values"
     assert torch.equal(values.abs().amax(-1), torch.where(x.abs().amax(-1) > 0, 448.0, 0.0))
     assert scale[0, 0].item() == 1.0
-    torch.testing.assert_close(values * scale, x, atol=0, rtol=2 ** -4)  # e4m3: 3 mantissa bits
+    # e4m3: 3 mantissa bits (within 2**-4 relative) down to 2**-6; below it subnormal steps of 2**-9, so
+    # within half a step of the row's scale (a randn value ~1e-4 of its row's max lands there)
+    error = (values * scale - x).abs()
+    assert (error <= torch.maximum(x.abs() * 2 ** -4, scale * 2 ** -10)).all(), error.max()
     token, token_scale = query_quant_ref.quantize_rows(x, "token")
     assert (token_scale == token_scale[:, :1]).all() and (token.abs().amax((-2, -1)) == 448.0).all()
     with pytest.raises(ValueError, match="q_scales"):

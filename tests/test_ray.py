@@ -39,6 +39,7 @@ KILLED_TOKENS = 200
 # the Ray Data job: 20 completions, 3 chats and 2 bad lines, 5 of them already answered, so 20 to do
 # in 7 batches of 3 (TASKS_PER_REPLICA batches a replica); the kill lands after the first is written
 JOB_COMPLETIONS, JOB_TOKENS = 20, 24
+RUNNING = "nanovllm:num_requests_running"   # the gauge's sample line in a replica's /metrics text
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +241,12 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served):
     import httpx
     url, board_actor = served
     live = live_replicas(board_actor, NUM_REPLICAS)
+    # the board may still hold a push from while an earlier test's request ran: wait for pushes with
+    # none running, so that the one replica found running a request below runs the long one
+    deadline = time.monotonic() + 60
+    while any(f"{RUNNING} 0\n" not in r["text"] for r in ray.get(board_actor.live.remote()).values()):
+        assert time.monotonic() < deadline, "the replicas never reported an empty batch"
+        time.sleep(0.05)
     result = {}
 
     def long_request():
@@ -251,7 +258,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served):
     deadline = time.monotonic() + 60
     while victim is None and time.monotonic() < deadline:
         for replica_id, r in ray.get(board_actor.live.remote()).items():
-            if "nanovllm:num_requests_running 1" in r["text"]:
+            if f"{RUNNING} 1\n" in r["text"]:
                 victim = (replica_id, r["pid"])
         time.sleep(0.05)
     assert victim is not None, "the long request never ran"

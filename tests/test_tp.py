@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing import shared_memory
 
 import pytest
 import torch
@@ -301,13 +302,21 @@ def test_a_worker_that_raises_is_reported_with_its_traceback(tp_model, watchdog)
     _assert_no_group_here()
 
 
-def test_a_failure_at_start_up_leaves_nothing(tp_model, watchdog):
+def test_a_failure_at_start_up_leaves_nothing(tp_model, watchdog, monkeypatch):
     path, _ = tp_model("qwen3")
-    shm_before = set(os.listdir(SHM_DIR))
+    created = []   # every segment this process makes (not another process's, as a second xdist worker's)
+
+    class RecordedSharedMemory(shared_memory.SharedMemory):
+        def __init__(self, name=None, create=False, size=0, **kwargs):
+            super().__init__(name, create, size, **kwargs)
+            if create:
+                created.append(self.name)
+    monkeypatch.setattr(shared_memory, "SharedMemory", RecordedSharedMemory)
     with pytest.raises(ValueError, match="KV cache too small"):  # every rank finds it too small
         LLM(path, tensor_parallel_size=TP, **{**ENGINE, "num_kvcache_blocks": 2})
     _assert_no_group_here()
-    assert not {n for n in set(os.listdir(SHM_DIR)) - shm_before if n.startswith("psm_")}
+    assert created, "the start-up made no segment to check"
+    assert_gone([], created)
 
 
 def test_every_rank_shuts_its_object_down_before_the_group_goes(tmp_path, watchdog):
