@@ -136,7 +136,7 @@ def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: i
         start = time.perf_counter()
         for m in layers:
             m.quant_method.apply(m, xs[m.input_size], None)
-        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None))
+        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None), getattr(head, "int8_weight", None))
         times.append(time.perf_counter() - start)
     return min(times)
 

@@ -1,0 +1,65 @@
+"""GGUF weights on the CPU with int8 products for batches (`quantization="gguf_int8"`).
+
+The "gguf" method (layers/quantization/gguf.py) as it is, except for batches: every linear
+layer with an fp32 weight, and the LM head, also gets an int8 copy of its (dequantized)
+weight, per output channel, and batches of `INT8_MIN_ROWS` tokens and more (decode steps of
+several sequences, prefill chunks) run FBGEMM's dynamic int8 product on it, activations
+quantized per token at run time (kernels/cpu_int8_dynamic.py), instead of oneDNN's packed
+fp32 product. Smaller batches run what "gguf" runs (the int4 kernel for 4-bit layers, the
+column-major fp32 weight elsewhere). A layer whose every batch then runs int4 or int8 keeps
+no fp32 weight (kernels/cpu_linear.py drops what no batch reads).
+
+Only fp32 engines (CPUs without fast bf16: AVX2) use it: where the engine runs bf16 the
+layers keep their bf16 products, and on the GPU it is "gguf". The error it adds (RESULTS "B2
+CPU, round 7": teacher-forced logprobs and greedy ids of the embedded SmolLM2 against the
+"gguf" path) is why it is an option and not the default.
+"""
+import torch
+from torch import nn
+
+from nanovllm.kernels import cpu_int8_dynamic
+from nanovllm.layers.quantization import register_quantization
+from nanovllm.layers.quantization.gguf import GGUFConfig
+from nanovllm.utils.device import resolve_dtype
+
+INT8_LM_HEAD = True  # the LM head's batches by int8 too (RESULTS "B2 CPU, round 7" has both)
+
+
+@register_quantization("gguf_int8")
+class GGUFInt8Config(GGUFConfig):
+    """A GGUF file's weights as "gguf", with batches by int8 x int8 products (CPU, fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.min_rows = cpu_int8_dynamic.INT8_MIN_ROWS
+        self.int8 = False
+
+    @classmethod
+    def overrides(cls, checkpoint_method: str) -> bool:
+        return checkpoint_method == "gguf"
+
+    def configure(self, device: torch.device, dtype_option: str) -> None:
+        super().configure(device, dtype_option)
+        self.int8 = (device.type == "cpu" and resolve_dtype(dtype_option, device, None) == torch.float32
+                     and cpu_int8_dynamic.can_run())
+        if self.int8:  # int8 from min_rows on: the int4 kernel keeps only the batches below
+            self.max_int4_rows = min(self.max_int4_rows, self.min_rows - 1)
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        if self.int8:
+            use_int8_for_batches(model, self.min_rows, INT8_LM_HEAD)
+
+
+def use_int8_for_batches(model: nn.Module, min_rows: int, lm_head: bool) -> None:
+    """Give every linear layer with an fp32 weight (and the LM head, if `lm_head`) its int8
+    copy `int8_weight`, which `cpu_gemm.dense_linear` runs for batches of `min_rows` and more."""
+    from nanovllm.layers.embed_head import ParallelLMHead
+    from nanovllm.layers.linear import LinearBase
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            if not lm_head:
+                continue
+        elif not (isinstance(module, LinearBase) and module.quant_method.is_dense):
+            continue
+        if module.weight is not None and module.weight.dtype == torch.float32:
+            module.int8_weight = cpu_int8_dynamic.prepack(module.weight.data, min_rows)
