@@ -8,7 +8,8 @@ embedded Q4_1 file, one thread:
    cannot compound through sampling) over its four English passages and over
    `--chat-prompts` of B2's chat prompts followed by the present path's 128-token greedy
    answer (the text B2 makes), for each variant: int8 weights per output channel with
-   activations per tensor (FBGEMM's own, 7-bit) or per token, with and without the LM head,
+   activations per tensor (FBGEMM's own, 7-bit) or per token (7 bits, or 8 against 7-bit
+   weights), with and without the LM head,
    and the int4 kernel on every batch (the present path's small-batch kernel, for scale);
 2. greedy agreement over B2's 64 chat prompts x 128 tokens (`--greedy` variants): identical
    sequences, and at each first divergence whether it is a near-tie (each side's token in the
@@ -36,13 +37,20 @@ from nanovllm.kernels import cpu_int8_dynamic  # noqa: E402
 from nanovllm.layers.quantization import gguf, gguf_int8  # noqa: E402
 
 TOP_K_CLOSE = 5
-# name -> (quantization, per-token activations, LM head by int8, int4 on every batch)
+# name -> (quantization, per-token activations, activation bits, Hadamard block, LM head by int8,
+#          int4 on every batch)
 VARIANTS = {
-    "tensor": ("gguf_int8", False, False, False),
-    "tensor_head": ("gguf_int8", False, True, False),
-    "token": ("gguf_int8", True, False, False),
-    "token_head": ("gguf_int8", True, True, False),
-    "int4_all": ("gguf", False, False, True),
+    "tensor": ("gguf_int8", False, 7, 0, False, False),
+    "tensor_head": ("gguf_int8", False, 7, 0, True, False),
+    "token": ("gguf_int8", True, 7, 0, False, False),
+    "token_head": ("gguf_int8", True, 7, 0, True, False),
+    "token8": ("gguf_int8", True, 8, 0, False, False),
+    "token8_head": ("gguf_int8", True, 8, 0, True, False),
+    "rot_token": ("gguf_int8", True, 7, 64, False, False),
+    "rot_token_head": ("gguf_int8", True, 7, 64, True, False),
+    "rot_token8": ("gguf_int8", True, 8, 64, False, False),
+    "rot_token8_head": ("gguf_int8", True, 8, 64, True, False),
+    "int4_all": ("gguf", False, 7, 0, False, True),
 }
 
 
@@ -51,8 +59,10 @@ def engine(variant: str | None) -> tuple[LLM, ExitStack]:
     stack = ExitStack()
     quantization = "gguf"
     if variant is not None:
-        quantization, per_token, head, int4_all = VARIANTS[variant]
+        quantization, per_token, bits, block, head, int4_all = VARIANTS[variant]
+        stack.enter_context(mock.patch.object(cpu_int8_dynamic, "ROTATION_BLOCK", block))
         stack.enter_context(mock.patch.object(cpu_int8_dynamic, "PER_TOKEN", per_token))
+        stack.enter_context(mock.patch.object(cpu_int8_dynamic, "ACTIVATION_BITS", bits))
         stack.enter_context(mock.patch.object(gguf_int8, "INT8_LM_HEAD", head))
         if int4_all:
             stack.enter_context(mock.patch.dict(gguf.MAX_INT4_ROWS, {k: 1 << 20 for k in gguf.MAX_INT4_ROWS}))

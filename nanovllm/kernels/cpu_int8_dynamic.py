@@ -40,6 +40,13 @@ INT8_MAX = 127
 # fast bf16 (VNNI or not) were not measured and take this value.
 INT8_MIN_ROWS = 1
 PER_TOKEN = True  # per-token activation scales (the row scaling above); False: FBGEMM's per tensor
+# Input features rotated in blocks of this many by a normalized Hadamard matrix H (weight W H at
+# load, activations x H at run time; x W^T = (x H)(W H)^T as H H^T = 1), which spreads each
+# channel's outliers over its block; 0: no rotation. A power of 2 dividing the input size.
+ROTATION_BLOCK = 64
+# 7: uint8 activations in 7 bits (reduce_range) against 8-bit weights; 8: all 8 bits against 7-bit
+# weights (|w| <= 63), which keeps AVX2's int16 pair sums (2 x 255 x 63) from saturating too
+ACTIVATION_BITS = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Int8Weight:
     packed: torch.ScriptObject  # LinearPackedParamsBase: per-channel qint8 weight [out, in]
     min_rows: int
     out_features: int
+    rotation_block: int  # the weight's input features rotated in blocks of this many (0: none)
 
 
 @functools.cache
@@ -62,28 +70,57 @@ def can_run() -> bool:
     return bool(torch.allclose(y, torch.full((2, 16), 16.0), rtol=1e-2))
 
 
+def weight_max() -> int:
+    """The largest int8 weight magnitude: 127, or 63 with 8-bit activations (module docstring)."""
+    return INT8_MAX if ACTIVATION_BITS == 7 else INT8_MAX // 2
+
+
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 of w [out, in]: (q int8 [out, in], scale fp32 [out])."""
-    scale = (w.float().abs().amax(1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w.float() / scale.unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    top = weight_max()
+    scale = (w.float().abs().amax(1) / top).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (w.float() / scale.unsqueeze(1)).round_().clamp_(-top, top).to(torch.int8)
     return q, scale
+
+
+@functools.cache
+def hadamard(n: int) -> torch.Tensor:
+    """The normalized Sylvester-Hadamard matrix [n, n] (n a power of 2): symmetric, H H = 1."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def rotation_block(in_features: int) -> int:
+    """The rotation block for a layer of `in_features` inputs (0: none)."""
+    return ROTATION_BLOCK if ROTATION_BLOCK and in_features % ROTATION_BLOCK == 0 else 0
+
+
+def rotate(t: torch.Tensor, block: int) -> torch.Tensor:
+    """t [rows, in] -> t with each block of `block` input features multiplied by H. # [rows, in]"""
+    return (t.reshape(-1, block) @ hadamard(block)).view(t.shape)
 
 
 def prepack(weight: torch.Tensor, min_rows: int) -> Int8Weight:
     """weight [out, in] float -> its int8 form for FBGEMM (the float weight is not kept)."""
-    q, scale = quantize_per_channel(weight.detach())
+    block = rotation_block(weight.shape[1])
+    w = weight.detach().float()
+    q, scale = quantize_per_channel(rotate(w.contiguous(), block) if block else w)
     zero = torch.zeros(q.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # the quantized-tensor deprecation (module docstring)
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-    return Int8Weight(torch.ops.quantized.linear_prepack(qweight, None), min_rows, q.shape[0])
+    return Int8Weight(torch.ops.quantized.linear_prepack(qweight, None), min_rows, q.shape[0], block)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [num_tokens, in] fp32 -> [num_tokens, out] fp32 (+ bias), activations quantized at run time."""
+    if weight.rotation_block:
+        x = rotate(x, weight.rotation_block)
     if not PER_TOKEN or x.shape[0] == 1:  # one row: FBGEMM's own (per tensor) scale is per token
-        y = torch.ops.quantized.linear_dynamic(x, weight.packed, True)
+        y = torch.ops.quantized.linear_dynamic(x, weight.packed, ACTIVATION_BITS == 7)
     else:
         rows = x.abs().amax(1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # [num_tokens, 1]
-        y = torch.ops.quantized.linear_dynamic(x / rows, weight.packed, True).mul_(rows)
+        y = torch.ops.quantized.linear_dynamic(x / rows, weight.packed, ACTIVATION_BITS == 7).mul_(rows)
     return y if bias is None else y.add_(bias)

@@ -35,15 +35,27 @@ class GGUFInt8Config(GGUFConfig):
         self.int8 = False
 
     @classmethod
+    def from_config(cls, quant_config: dict) -> "GGUFInt8Config":
+        if quant_config.get("quant_method") != "gguf":
+            raise ValueError("quantization='gguf_int8' is for GGUF files; this checkpoint is not one")
+        return cls()
+
+    @classmethod
     def overrides(cls, checkpoint_method: str) -> bool:
         return checkpoint_method == "gguf"
 
     def configure(self, device: torch.device, dtype_option: str) -> None:
         super().configure(device, dtype_option)
-        self.int8 = (device.type == "cpu" and resolve_dtype(dtype_option, device, None) == torch.float32
-                     and cpu_int8_dynamic.can_run())
-        if self.int8:  # int8 from min_rows on: the int4 kernel keeps only the batches below
-            self.max_int4_rows = min(self.max_int4_rows, self.min_rows - 1)
+        if device.type != "cpu":
+            raise ValueError(f"quantization='gguf_int8' runs on the CPU only; the device is {device.type!r}")
+        if resolve_dtype(dtype_option, device, None) != torch.float32:
+            raise ValueError(f"quantization='gguf_int8' needs fp32 products; dtype={dtype_option!r} runs "
+                             "bf16 here (use dtype='float32')")
+        if not cpu_int8_dynamic.can_run():
+            raise ValueError("quantization='gguf_int8' needs torch's FBGEMM int8 kernels, which this "
+                             "torch build lacks")
+        self.int8 = True
+        self.max_int4_rows = min(self.max_int4_rows, self.min_rows - 1)  # int8 takes the rest
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         if self.int8:
