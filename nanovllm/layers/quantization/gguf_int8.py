@@ -1,18 +1,19 @@
-"""GGUF weights on the CPU with int8 products for batches (`quantization="gguf_int8"`).
+"""GGUF weights on the CPU with int8 x int8 products (`quantization="gguf_int8"`, off by default).
 
-The "gguf" method (layers/quantization/gguf.py) as it is, except for batches: every linear
-layer with an fp32 weight, and the LM head, also gets an int8 copy of its (dequantized)
-weight, per output channel, and batches of `INT8_MIN_ROWS` tokens and more (decode steps of
-several sequences, prefill chunks) run FBGEMM's dynamic int8 product on it, activations
-quantized per token at run time (kernels/cpu_int8_dynamic.py), instead of oneDNN's packed
-fp32 product. Smaller batches run what "gguf" runs (the int4 kernel for 4-bit layers, the
-column-major fp32 weight elsewhere). A layer whose every batch then runs int4 or int8 keeps
-no fp32 weight (kernels/cpu_linear.py drops what no batch reads).
+The "gguf" method (layers/quantization/gguf.py), except for the products: every linear layer
+and the LM head also gets an int8 copy of its dequantized weight, per output channel, with
+its input features rotated in blocks of 64 by a Hadamard matrix, and batches of
+`INT8_MIN_ROWS` tokens and more (1 on AVX2: every product, decode and prefill) run FBGEMM's
+dynamic int8 product on it, the activations rotated alike and quantized per token at run time
+(kernels/cpu_int8_dynamic.py), instead of the int4 kernel and oneDNN's packed fp32 product.
+A layer whose every batch runs int8 keeps no fp32 weight (kernels/cpu_linear.py drops what no
+batch reads); the LM head keeps the token embedding's.
 
-Only fp32 engines (CPUs without fast bf16: AVX2) use it: where the engine runs bf16 the
-layers keep their bf16 products, and on the GPU it is "gguf". The error it adds (RESULTS "B2
-CPU, round 7": teacher-forced logprobs and greedy ids of the embedded SmolLM2 against the
-"gguf" path) is why it is an option and not the default.
+For fp32 engines on the CPU only (CPUs without fast bf16: AVX2); anywhere else, and on a
+checkpoint that is not a GGUF file, asking for it is a ValueError. The error it adds (RESULTS
+"B2 CPU, round 7": teacher-forced logprobs of the embedded SmolLM2 move by ~0.1-0.14 on
+average, ~5x the int4 kernel's, ~2x the fp8 KV cache's; greedy ids part from the "gguf"
+path's) is why it is an option and not the default.
 """
 import torch
 from torch import nn
