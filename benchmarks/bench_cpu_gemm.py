@@ -10,8 +10,9 @@ with each kernel:
 - dnn: oneDNN's `_linear_pointwise` on a weight packed once (kernels/cpu_gemm.py)
 - int4: `_weight_int4pack_mm_for_cpu`, bf16 activations (kernels/cpu_int4.py); head by dnn
 - int8: `_weight_int8pack_mm` per-channel, bf16 activations (head too)
-- int8dyn: FBGEMM's dynamic int8 linear, per-token activation scales (kernels/cpu_int8_dynamic.py;
-  head too); int8dyn_t: the same with FBGEMM's own per-tensor activation scale
+- int8dyn: FBGEMM's dynamic int8 linear, per-token activation scales, inputs Hadamard-rotated
+  (kernels/cpu_int8_dynamic.py; head too); int8dyn_t: the same with FBGEMM's own per-tensor
+  activation scale; int8dyn_norot: per token without the rotation
 
 The kernels alternate within each repeat, so a busy machine slows all of them alike;
 medians are printed. fp32 everywhere else.
@@ -62,13 +63,17 @@ def prepare(kind: str, weights: list[torch.Tensor], head: torch.Tensor):
     if kind == "int8":
         q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*quantize_int8(w))  # noqa: E731
         return [q8(w) for w in weights], q8(head), _int8
-    if kind in ("int8dyn", "int8dyn_t"):
-        per_token = kind == "int8dyn"
+    if kind in ("int8dyn", "int8dyn_t", "int8dyn_norot"):
+        per_token = kind != "int8dyn_t"
 
         def fn(x, w):
             cpu_int8_dynamic.PER_TOKEN = per_token
             return cpu_int8_dynamic.int8_linear(x, w, None)
-        return [cpu_int8_dynamic.prepack(w, 1) for w in weights], cpu_int8_dynamic.prepack(head, 1), fn
+        block, cpu_int8_dynamic.ROTATION_BLOCK = cpu_int8_dynamic.ROTATION_BLOCK, (
+            0 if kind == "int8dyn_norot" else cpu_int8_dynamic.ROTATION_BLOCK)
+        packs = [cpu_int8_dynamic.prepack(w, 1) for w in weights], cpu_int8_dynamic.prepack(head, 1), fn
+        cpu_int8_dynamic.ROTATION_BLOCK = block  # each weight remembers its own rotation
+        return packs
     raise ValueError(f"unknown kind {kind!r}")
 
 
