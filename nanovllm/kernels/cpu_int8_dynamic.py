@@ -1,4 +1,4 @@
-"""CPU int8 products for batches: FBGEMM's dynamic int8 linear on an int8 copy of a dense weight.
+"""CPU int8 products: FBGEMM's dynamic int8 linear on a Hadamard-rotated int8 copy of a dense weight.
 
 `torch.ops.quantized.linear_dynamic(x, packed, reduce_range)` multiplies fp32 activations by a
 weight prepacked as per-output-channel symmetric int8 (`torch.ops.quantized.linear_prepack`):
@@ -7,23 +7,29 @@ runs FBGEMM's u8 x s8 -> int32 product and returns fp32. `reduce_range=True` (x8
 without VNNI sums pairs of u8 x s8 products in int16, which 8-bit activations could
 overflow) leaves the activations 7 bits.
 
-Per-token activation scales: the kernel takes one scale for the tensor, so each row is
-divided by its own absolute maximum first (every row then spans [-1, 1], and the tensor's
-scale is every row's) and the product's row multiplied back: a row of small values (most
-tokens, beside one with large ones) keeps its 7 bits instead of sharing the largest row's
-grid. That costs an [M, in] and an [M, out] elementwise pass (and ~50 us of calls, so one row
-takes FBGEMM's own asymmetric scale, which is that row's).
+Two things make that accurate enough on a real model's activations:
 
-Error: the weight is off by at most half a step of its row (max |w| / 254) on top of
-whatever it already was (a dequantized GGUF 4-bit weight); the activations by half a step
-of 1/127 of their range (per token, or per tensor). benchmarks/RESULTS.md ("B2 CPU, round
-7") has what that does to the embedded SmolLM2's logprobs and greedy ids, and where the
-kernel beats the oneDNN-packed fp32 product (kernels/cpu_gemm.py) by row count.
+- Per-token scales: the kernel takes one scale for the tensor, so each row is divided by its
+  own absolute maximum first (every row then spans [-1, 1], and the tensor's scale is every
+  row's) and the product's row multiplied back: a row of small values beside one with large
+  ones keeps its 7 bits instead of sharing the largest row's grid. One row takes FBGEMM's own
+  asymmetric scale, which is that row's.
+- The rotation: the input features of both sides are multiplied in blocks of 64 by a
+  normalized Hadamard matrix H (the weight at load, the activations at run time; x W^T =
+  (x H)(W H)^T as H H^T = 1), which spreads a channel of large values (LLMs have a few in
+  every layer's input) over its block instead of leaving the other channels a few levels.
 
-torch 2.13 warns that quantized tensors (`torch.quantize_per_channel`, which the prepack
-takes) are deprecated (torch issue 184982); torch has no other entry to FBGEMM's int8 linear
-(oneDNN's `torch.ops.onednn.qlinear_pointwise` takes plain int8 tensors but was 2-4x slower
-here), so the warning is silenced at that one call, at load.
+Error: the weight is off by at most half a step of its (rotated) row, max |w| / 254, on top
+of whatever it already was (a dequantized GGUF 4-bit weight); each activation by half a step
+of its row's max / 63.5. On the embedded SmolLM2's activations a layer's product is off by
+~1.5-2.3% (5.8% without the rotation, more per tensor); benchmarks/RESULTS.md ("B2 CPU, round
+7") has what that does to its logprobs and greedy ids, and the speed against the int4 kernel
+and oneDNN's packed fp32 product (kernels/cpu_gemm.py) by row count.
+
+torch 2.13 warns that quantized tensors (which the prepack takes) are deprecated (torch issue
+184982); torch has no other entry to FBGEMM's int8 linear (oneDNN's
+`torch.ops.onednn.qlinear_pointwise` takes plain int8 tensors but was ~4x slower than FBGEMM
+here), so the warning is silenced at the one call that makes such a tensor, at load.
 """
 import dataclasses
 import functools
@@ -32,17 +38,17 @@ import warnings
 import torch
 
 INT8_MAX = 127
-# Rows from which a layer's batches run this kernel. Measured on AVX2 (SmolLM2-135M's 120 layers
+# Rows from which a layer's products run this kernel. Measured on AVX2 (SmolLM2-135M's 120 layers
 # and LM head, one thread, benchmarks/bench_cpu_gemm.py; RESULTS "B2 CPU, round 7"): faster than
-# the int4 kernel and the fp32 products at every row count from 1 (1 row: 16.2 + head 3.2 ms
-# against int4's 21.3 + the column-major head's 8.1; 64 rows: 158 + 48 against oneDNN fp32's
-# 278 + 64). Only fp32 engines use it (bf16 CPUs keep their bf16 products); AVX512 CPUs without
-# fast bf16 (VNNI or not) were not measured and take this value.
+# oneDNN's fp32 product at every row count (64 rows: 226 + head 55 ms against 312 + 67) and than
+# the int4 kernel from 2 rows; at 1 row the layers are as fast as int4's (30.8 against 27.0 ms
+# there, the other way round in other runs) and the head faster than the column-major fp32 one
+# (4.0 against 9.9 ms). Only fp32 engines use it; AVX512 CPUs without fast bf16 (VNNI or not)
+# were not measured and take this value.
 INT8_MIN_ROWS = 1
 PER_TOKEN = True  # per-token activation scales (the row scaling above); False: FBGEMM's per tensor
-# Input features rotated in blocks of this many by a normalized Hadamard matrix H (weight W H at
-# load, activations x H at run time; x W^T = (x H)(W H)^T as H H^T = 1), which spreads each
-# channel's outliers over its block; 0: no rotation. A power of 2 dividing the input size.
+# Input features rotated in blocks of this many (module docstring); 0: no rotation. A power of 2;
+# a layer whose input size it does not divide is not rotated.
 ROTATION_BLOCK = 64
 # 7: uint8 activations in 7 bits (reduce_range) against 8-bit weights; 8: all 8 bits against 7-bit
 # weights (|w| <= 63), which keeps AVX2's int16 pair sums (2 x 255 x 63) from saturating too
@@ -51,7 +57,7 @@ ACTIVATION_BITS = 7
 
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """A layer's int8 copy for batches: FBGEMM's packed params and the rows it starts at."""
+    """A layer's int8 copy: FBGEMM's packed params and the row count it runs from."""
     packed: torch.ScriptObject  # LinearPackedParamsBase: per-channel qint8 weight [out, in]
     min_rows: int
     out_features: int
