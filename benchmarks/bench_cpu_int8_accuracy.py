@@ -15,7 +15,7 @@ embedded Q4_1 file, one thread:
    sequences, and at each first divergence whether it is a near-tie (each side's token in the
    other's top-5 logprobs, the rule tests/ use).
 
-    python benchmarks/bench_cpu_int8_accuracy.py [--chat-prompts 16] [--greedy token_head]
+    python benchmarks/bench_cpu_int8_accuracy.py [--chat-prompts 16] [--greedy rot_token_head token_head]
 
 Prints one line per variant and a final JSON line.
 """
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=64, help="B2 prompts for the greedy agreement")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--greedy", nargs="*", default=["token_head"], choices=list(VARIANTS),
+    ap.add_argument("--greedy", nargs="*", default=["rot_token_head"], choices=list(VARIANTS),
                     help="variants whose greedy ids are compared over the B2 prompts")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
