@@ -30,6 +30,8 @@ HF and vLLM read it dequantized, llama.cpp reads the file itself), 64 chat promp
     python benchmarks/bench_cpu.py                       # B2 as specified
     python benchmarks/bench_cpu.py --repeats 3           # alternating runs, medians
     python benchmarks/bench_cpu.py --num-prompts 8 --max-tokens 16   # a quick look
+    python benchmarks/bench_cpu.py --skip-hf --anchors '' --ab-quantization gguf_int8 --repeats 3
+        # ours against ours with another quantization, in one process, alternating
 
 Prints a table and a final JSON line.
 """
@@ -136,7 +138,7 @@ def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: i
         start = time.perf_counter()
         for m in layers:
             m.quant_method.apply(m, xs[m.input_size], None)
-        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None))
+        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None), getattr(head, "int8_weight", None))
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -248,6 +250,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="our dtype (default: auto)")
     ap.add_argument("--quantization", default=None,
                     help="our quantization (default: the file's, gguf: 4-bit layers packed; gguf_dequant: dense)")
+    ap.add_argument("--ab-quantization", default=None,
+                    help="also run a second engine of ours with this quantization (e.g. gguf_int8), alternating "
+                         "with the first; its figures are the ours_b_* keys")
     ap.add_argument("--compilation-config", type=int, default=None, choices=(0, 3),
                     help="our compilation mode: 0 eager, 3 the forward compiled by torch.compile (default: "
                          "the engine's, eager on the CPU; benchmarks/bench_cpu_compile.py compares the two)")
@@ -292,6 +297,11 @@ def build_engines(path: str, args, prompts, pad_id: int) -> tuple[Engine, Engine
     ours = Engine("ours", lambda: LLM(path, dtype=args.dtype, quantization=args.quantization,
                                       compilation_config=args.compilation_config),
                   lambda m, p, n: ours_generate(m, p, n))
+    if args.ab_quantization:
+        ours.b = Engine("ours_b", lambda: LLM(path, dtype=args.dtype, quantization=args.ab_quantization,
+                                              compilation_config=args.compilation_config),
+                        lambda m, p, n: ours_generate(m, p, n))
+        ours.b.generate(prompts[:2], 4)  # warm-up
     probe, hf = {}, None
     if not args.skip_hf:
         dtype = args.hf_dtype
@@ -349,6 +359,22 @@ def report(args, ours: Engine, hf: Engine | None, probe: dict, floor: float, n_p
     return result
 
 
+def ab_report(args, ours: Engine, b: Engine, floor: float, n_prompts: int) -> dict:
+    """The second engine of ours (--ab-quantization) beside the first."""
+    seconds = median(b.seconds)
+    same = sum(x == y for x, y in zip(b.tokens, ours.tokens))
+    return dict(ours_quantization=args.quantization, ours_b_quantization=args.ab_quantization,
+                ours_b_load_s=round(b.load_s, 2), ours_b_s=round(seconds, 2),
+                ours_b_tok_s=round(n_prompts * args.max_tokens / seconds, 1),
+                ours_b_single_decode_tok_s=round(median(b.single), 1),
+                ours_b_matmul_floor_s=round(floor, 2),
+                ours_b_vs_ours=round(median(ours.seconds) / seconds, 3),
+                ours_b_identical_sequences=f"{same}/{n_prompts}",
+                ab_runs_s={"ours": [round(x, 1) for x in ours.seconds], "ours_b": [round(x, 1) for x in b.seconds]},
+                ab_single_tok_s={"ours": [round(x, 1) for x in ours.single],
+                                 "ours_b": [round(x, 1) for x in b.single]})
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -358,11 +384,14 @@ def main(argv=None) -> None:
     tokenizer = gguf_tokenizer(path)
     prompts = chat_prompts(tokenizer, args.num_prompts)
     ours, hf, probe = build_engines(path, args, prompts, tokenizer.pad_token_id or tokenizer.eos_token_id)
+    ab = getattr(ours, "b", None)
     for _ in range(args.repeats):  # alternating, so both see the same machine
-        for engine in (ours, hf) if hf else (ours,):
+        for engine in [e for e in (ours, ab, hf) if e]:
             engine.measure(prompts, args.max_tokens)
     floor = matmul_floor(ours.model, prompts, args.max_tokens)
     result = report(args, ours, hf, probe, floor, len(prompts))
+    if ab:
+        result.update(ab_report(args, ours, ab, matmul_floor(ab.model, prompts, args.max_tokens), len(prompts)))
     result["cpu_flags"] = cpu_flags()
     result.update(run_anchors(args, path, prompts, result))
     width = max(map(len, result))

@@ -10,11 +10,15 @@ with each kernel:
 - dnn: oneDNN's `_linear_pointwise` on a weight packed once (kernels/cpu_gemm.py)
 - int4: `_weight_int4pack_mm_for_cpu`, bf16 activations (kernels/cpu_int4.py); head by dnn
 - int8: `_weight_int8pack_mm` per-channel, bf16 activations (head too)
+- int8dyn: FBGEMM's dynamic int8 linear, per-token activation scales, inputs Hadamard-rotated
+  (kernels/cpu_int8_dynamic.py; head too); int8dyn_t: the same with FBGEMM's own per-tensor
+  activation scale; int8dyn_norot: per token without the rotation
 
 The kernels alternate within each repeat, so a busy machine slows all of them alike;
 medians are printed. fp32 everywhere else.
 
     python benchmarks/bench_cpu_gemm.py --threads 1 --rows 1 2 4 16 64 --kinds col dnn int4 int8
+    python benchmarks/bench_cpu_gemm.py --threads 1 --rows 2 3 4 8 12 16 64 256 --kinds dnn int4 int8dyn --per-shape
 
 Prints one line per row count and a final JSON line.
 """
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nanovllm.kernels import cpu_gemm, cpu_int4  # noqa: E402
+from nanovllm.kernels import cpu_gemm, cpu_int4, cpu_int8_dynamic  # noqa: E402
 from nanovllm.layers.quantization.cpu_int import quantize_int8  # noqa: E402
 from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
 
@@ -59,6 +63,17 @@ def prepare(kind: str, weights: list[torch.Tensor], head: torch.Tensor):
     if kind == "int8":
         q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*quantize_int8(w))  # noqa: E731
         return [q8(w) for w in weights], q8(head), _int8
+    if kind in ("int8dyn", "int8dyn_t", "int8dyn_norot"):
+        per_token = kind != "int8dyn_t"
+
+        def fn(x, w):
+            cpu_int8_dynamic.PER_TOKEN = per_token
+            return cpu_int8_dynamic.int8_linear(x, w, None)
+        block, cpu_int8_dynamic.ROTATION_BLOCK = cpu_int8_dynamic.ROTATION_BLOCK, (
+            0 if kind == "int8dyn_norot" else cpu_int8_dynamic.ROTATION_BLOCK)
+        packs = [cpu_int8_dynamic.prepack(w, 1) for w in weights], cpu_int8_dynamic.prepack(head, 1), fn
+        cpu_int8_dynamic.ROTATION_BLOCK = block  # each weight remembers its own rotation
+        return packs
     raise ValueError(f"unknown kind {kind!r}")
 
 
@@ -73,6 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 64])
     ap.add_argument("--kinds", nargs="+", default=["col", "dnn", "int4", "int8"])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--per-shape", action="store_true", help="also print each layer shape's time (30 layers)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,19 +102,31 @@ def main(argv=None) -> None:
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in LAYER_SHAPES}}
         times = {k: ([], []) for k in kinds}
+        shapes = {k: {s: [] for s in LAYER_SHAPES} for k in kinds}
         for _ in range(args.repeats):
             for kind, (ws, hw, fn) in kinds.items():
                 start = time.perf_counter()
-                for w, (_, cols) in zip(ws, LAYER_SHAPES * NUM_LAYERS):
-                    fn(xs[cols], w)
+                per = dict.fromkeys(LAYER_SHAPES, 0.0)
+                for w, shape in zip(ws, LAYER_SHAPES * NUM_LAYERS):
+                    t = time.perf_counter()
+                    fn(xs[shape[1]], w)
+                    per[shape] += time.perf_counter() - t
                 mid = time.perf_counter()
+                for shape, seconds in per.items():
+                    shapes[kind][shape].append(seconds)
                 fn(xs[HEAD_SHAPE[1]], hw)
                 times[kind][0].append(mid - start)
                 times[kind][1].append(time.perf_counter() - mid)
         row = {k: {"layers": round(median(a) * 1e3, 1), "head": round(median(b) * 1e3, 1)} for k, (a, b) in times.items()}
+        if args.per_shape:
+            for k in kinds:
+                row[k]["shapes"] = {f"{o}x{i}": round(median(v) * 1e3, 2) for (o, i), v in shapes[k].items()}
         result["ms"][rows] = row
         print(f"{rows:>5} rows  " + "  ".join(f"{k}: {v['layers']:7.1f} + head {v['head']:6.1f} ms" for k, v in row.items()),
               flush=True)
+        if args.per_shape:
+            for k in kinds:
+                print(f"{'':>11}{k} per shape (30 layers, ms): {row[k]['shapes']}", flush=True)
     print(json.dumps(result))
 
 

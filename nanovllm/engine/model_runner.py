@@ -94,7 +94,7 @@ class ModelRunner:
             load_dummy_weights(model, self.config.seed)
         else:
             load_named_weights(model, source.named_weights())
-        process_weights_after_loading(model)
+        process_weights_after_loading(model, quant_config)
         if self.device.type == "cpu":
             use_column_major_weights(model)  # faster matrix-vector products (kernels/cpu_linear.py)
         Attention.backend = get_attention_backend(self.device.type)

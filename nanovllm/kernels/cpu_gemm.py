@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels import cpu_int8_dynamic
+
 # Rows from which the packed product is used; below it the column-major `F.linear`. Measured
 # on AVX2 (fp32, one thread, benchmarks/bench_cpu_gemm.py): 2 rows 55.5 (packed) against 51.7 ms
 # (column-major) for the 120 layers, 4 rows 58.1 against 83.9 ms.
@@ -46,10 +48,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None) -> torch.Tensor:
-    """x [num_tokens, in] @ weight.T (+ bias) -> [num_tokens, out]; by the packed weight
-    where there is one and the batch has PACKED_MIN_ROWS rows or more, or where only the
+                 packed: torch.Tensor | None, int8: "cpu_int8_dynamic.Int8Weight | None" = None) -> torch.Tensor:
+    """x [num_tokens, in] @ weight.T (+ bias) -> [num_tokens, out]; by the int8 copy where there
+    is one and the batch has its `min_rows` (kernels/cpu_int8_dynamic.py); else by the packed
+    weight where there is one and the batch has PACKED_MIN_ROWS rows or more, or where only the
     packed copy is kept (`weight` None: kernels/cpu_linear.py drops what no batch reads)."""
+    if int8 is not None and x.dtype == torch.float32 and x.shape[0] >= int8.min_rows:
+        return cpu_int8_dynamic.int8_linear(x, int8, bias)
     if packed is not None and x.dtype == torch.float32 and (weight is None or x.shape[0] >= PACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     assert weight is not None, "a layer without its dense weight got a batch its packed copy cannot run"

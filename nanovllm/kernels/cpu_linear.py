@@ -26,7 +26,11 @@ A layer whose quantization method runs its own kernel for small batches (GGUF 4-
 `quantization="int4"/"int8"` layers: `own_kernel_max_rows`) up to where the packed product
 takes over reads its dense weight for no batch at all: it keeps only the packed copy
 (`layer.weight` becomes None), and the dense fp32 bytes are freed (SmolLM2's embedded
-Q4_1 file: 424 MB; benchmarks/RESULTS.md "B2 CPU, round 4").
+Q4_1 file: 424 MB; benchmarks/RESULTS.md "B2 CPU, round 4"). Likewise a layer whose
+batches from some row count run an int8 copy (`int8_weight`, kernels/cpu_int8_dynamic.py)
+gets no packed copy where no batch would read it, and drops its dense weight where the
+method's own kernel takes every batch below that count (the LM head keeps its weight: a
+tied one is the token embedding's).
 """
 import torch
 from torch import nn
@@ -48,21 +52,25 @@ def use_column_major_weights(model: nn.Module) -> None:
         if not dense:
             continue
         packs = pack and module.weight.dtype == torch.float32
-        if packs and _dense_weight_unread(module):
+        own, int8_from = _own_rows(module)
+        packed_read = packs and max(own + 1, cpu_gemm.PACKED_MIN_ROWS) < int8_from
+        dense_read = own + 1 < (min(cpu_gemm.PACKED_MIN_ROWS, int8_from) if packed_read else int8_from)
+        if packed_read:
             module.packed_weight = cpu_gemm.pack(module.weight.data)
-            module.weight = None  # every batch: the method's own kernel or the packed copy
+        if not dense_read and not isinstance(module, ParallelLMHead):  # the head's is the embedding's too
+            module.weight = None  # every batch: the method's own kernel, the int8 or the packed copy
             continue
         if id(module.weight) not in done:
             done.add(id(module.weight))
             module.weight.data = _column_major(module.weight.data)
-        if packs:
-            module.packed_weight = cpu_gemm.pack(module.weight.data)
 
 
-def _dense_weight_unread(module: nn.Module) -> bool:
-    """Batches below PACKED_MIN_ROWS all run the layer's own kernel (the rest the packed copy)."""
+def _own_rows(module: nn.Module) -> tuple[int, float]:
+    """(batches of up to this many rows run the layer's method's own kernel, batches from this
+    many rows its int8 copy: kernels/cpu_int8_dynamic.py; inf without one)."""
     method = getattr(module, "quant_method", None)
-    return method is not None and method.own_kernel_max_rows >= cpu_gemm.PACKED_MIN_ROWS - 1
+    int8 = getattr(module, "int8_weight", None)
+    return (0 if method is None else method.own_kernel_max_rows), (float("inf") if int8 is None else int8.min_rows)
 
 
 def _column_major(w: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] -> logits [num_rows, vocab_size] (on rank 0; None elsewhere)."""
         # [num_rows, shard_size]; on the CPU by a oneDNN-packed copy for batches (kernels/cpu_gemm.py)
-        logits = dense_linear(hidden, self.weight, None, getattr(self, "packed_weight", None))
+        logits = dense_linear(hidden, self.weight, None, getattr(self, "packed_weight", None),
+                              getattr(self, "int8_weight", None))
         if self.tp_size > 1:
             parts = gather_to_rank0(logits, self.tp_rank, self.tp_size)
             if parts is None:

@@ -88,12 +88,15 @@ def get_moe_method(layer: nn.Module) -> FusedMoEMethod | None:
     return None if _building is None else _building.get_moe_method(layer)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's method turn its loaded weights into what it runs on."""
+def process_weights_after_loading(model: nn.Module, quant_config: QuantizationConfig | None = None) -> None:
+    """Let every layer's method turn its loaded weights into what it runs on, then the config
+    do what it does across the model."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, (LinearMethod, FusedMoEMethod)):
             method.process_weights_after_loading(module)
+    if quant_config is not None:
+        quant_config.process_model_after_loading(model)
 
 
 def _known() -> str:
@@ -107,3 +110,4 @@ __all__ = ["FusedMoEMethod", "LinearMethod", "QuantizationConfig", "UnquantizedL
 
 from nanovllm.layers.quantization import fp8  # noqa: E402,F401  (registers "fp8", "compressed-tensors")
 from nanovllm.layers.quantization import cpu_int, gguf  # noqa: E402,F401  (register gguf, gguf_dequant, int4, int8)
+from nanovllm.layers.quantization import gguf_int8  # noqa: E402,F401  (registers gguf_int8)

@@ -70,7 +70,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_shard_tags(weight, output_dim=0, input_dim=1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return dense_linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
+        return dense_linear(x, layer.weight, bias, getattr(layer, "packed_weight", None),
+                            getattr(layer, "int8_weight", None))
 
     @property
     def is_dense(self) -> bool:
@@ -121,6 +122,10 @@ class QuantizationConfig:
     def configure(self, device: torch.device, dtype_option: str) -> None:
         """Called once before the model is built, with its device and `Config.dtype` as given
         ("auto" or a name): a method may choose its kernels by them."""
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """Called once after every layer's `process_weights_after_loading`: what a method does
+        across the model (e.g. the LM head, which is no linear layer)."""
 
     @classmethod
     def overrides(cls, checkpoint_method: str) -> bool:

@@ -111,8 +111,9 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         source = self.row_source.data
         types = {t for t, _ in self.parts}
-        packable = (layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
-                    and types <= set(cpu_int4.INT4_GGUF_TYPES) and cpu_int4.can_pack(*layer.weight.shape))
+        packable = (self.max_int4_rows > 0 and layer.weight.device.type == "cpu" and bool(self.parts)
+                    and bool((source >= 0).all()) and types <= set(cpu_int4.INT4_GGUF_TYPES)
+                    and cpu_int4.can_pack(*layer.weight.shape))
         if packable:
             q, scale, zero = self._gather(layer, source.long())
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
