@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import cpu_gemm, cpu_int4, cpu_int8_dynamic  # noqa: E402
-from nanovllm.layers.quantization.cpu_int import quantize_int8  # noqa: E402
 from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of one decoder layer
@@ -61,7 +60,7 @@ def prepare(kind: str, weights: list[torch.Tensor], head: torch.Tensor):
         packs = [cpu_int4.pack_int4(*cpu_int4.quantize_affine(w), torch.bfloat16) for w in weights]
         return packs, cpu_gemm.pack(head), lambda x, w: cpu_int4.int4_linear(x, *w) if isinstance(w, tuple) else _dnn(x, w)
     if kind == "int8":
-        q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*quantize_int8(w))  # noqa: E731
+        q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*cpu_int8_dynamic.quantize_per_channel(w))  # noqa: E731
         return [q8(w) for w in weights], q8(head), _int8
     if kind in ("int8dyn", "int8dyn_t", "int8dyn_norot"):
         per_token = kind != "int8dyn_t"

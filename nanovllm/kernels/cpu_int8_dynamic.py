@@ -81,9 +81,8 @@ def weight_max() -> int:
     return INT8_MAX if ACTIVATION_BITS == 7 else INT8_MAX // 2
 
 
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 of w [out, in]: (q int8 [out, in], scale fp32 [out])."""
-    top = weight_max()
+def quantize_per_channel(w: torch.Tensor, top: int = INT8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 of w [out, in], |q| <= top: (q int8 [out, in], scale fp32 [out])."""
     scale = (w.float().abs().amax(1) / top).clamp_min(torch.finfo(torch.float32).tiny)
     q = (w.float() / scale.unsqueeze(1)).round_().clamp_(-top, top).to(torch.int8)
     return q, scale
@@ -112,7 +111,7 @@ def prepack(weight: torch.Tensor, min_rows: int) -> Int8Weight:
     """weight [out, in] float -> its int8 form for FBGEMM (the float weight is not kept)."""
     block = rotation_block(weight.shape[1])
     w = weight.detach().float()
-    q, scale = quantize_per_channel(rotate(w.contiguous(), block) if block else w)
+    q, scale = quantize_per_channel(rotate(w.contiguous(), block) if block else w, weight_max())
     zero = torch.zeros(q.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # the quantized-tensor deprecation (module docstring)
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")

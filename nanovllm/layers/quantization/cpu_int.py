@@ -16,21 +16,11 @@ group ((max - min) / 30).
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_int4
+from nanovllm.kernels import cpu_int4, cpu_int8_dynamic
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from nanovllm.layers.quantization.gguf import MAX_INT4_ROWS
 from nanovllm.utils.device import cpu_has_fast_bf16
-
-INT8_MAX = 127
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q [out, in] int8, scale [out] float32)."""
-    scale = (w.float().abs().amax(1) / INT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (w.float() / scale.unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
-
 
 class _CPUIntConfig(QuantizationConfig):
     bits = 0
@@ -72,7 +62,7 @@ class CPUIntLinearMethod(UnquantizedLinearMethod):
         if self.bits == 4:
             self.packed = cpu_int4.pack_int4(*cpu_int4.quantize_affine(w), torch.bfloat16)
         else:
-            q, scale = quantize_int8(w)
+            q, scale = cpu_int8_dynamic.quantize_per_channel(w)  # symmetric, |q| <= 127
             self.packed = (q, scale.to(torch.bfloat16))
 
     @property

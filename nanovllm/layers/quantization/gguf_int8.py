@@ -11,8 +11,8 @@ batch reads); the LM head keeps the token embedding's.
 
 For fp32 engines on the CPU only (CPUs without fast bf16: AVX2); anywhere else, and on a
 checkpoint that is not a GGUF file, asking for it is a ValueError. The error it adds (RESULTS
-"B2 CPU, round 7": teacher-forced logprobs of the embedded SmolLM2 move by ~0.1-0.14 on
-average, ~5x the int4 kernel's, ~2x the fp8 KV cache's; greedy ids part from the "gguf"
+"B2 CPU, round 7": teacher-forced logprobs of the embedded SmolLM2 move by 0.09-0.13 on
+average, 6-7x the int4 kernel's, ~2x the fp8 KV cache's; greedy ids part from the "gguf"
 path's) is why it is an option and not the default.
 """
 import torch
