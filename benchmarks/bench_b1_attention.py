@@ -127,6 +127,25 @@ VARIANTS = {
     "f8qq64s3_r128": (dict(DECODE_FP8_QUERY_QUANT=True, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=3,
                            DECODE_FP8_MAXNREG=128), "tokens_major", "longest_first"),
     "lpt_split4": (dict(TARGET_PROGRAMS_PER_SM=4), "tokens_major", "longest_first"),
+    # decode on the CUDA cores (triton_decode_fma: DECODE_FMA_*), fp8 cache (in the engine's fp8 row
+    # order) and 16-bit cache; tile = keys x warps x stages, and the split policy's programs per SM
+    "fma8": (dict(DECODE_FMA_FP8=True), "tokens_major", "longest_first"),
+    "fma8_n16w1s4": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_STAGES=4),
+                     "tokens_major", "longest_first"),
+    "fma8_n64w1s2": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_STAGES=2),
+                     "tokens_major", "longest_first"),
+    "fma8_n32w2s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_NUM_WARPS=2), "tokens_major", "longest_first"),
+    "fma8_n64w2s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_WARPS=2),
+                     "tokens_major", "longest_first"),
+    "fma8_n64w4s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_WARPS=4),
+                     "tokens_major", "longest_first"),
+    "fma8_n128w4s2": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=128, DECODE_FMA_NUM_WARPS=4,
+                           DECODE_FMA_NUM_STAGES=2), "tokens_major", "longest_first"),
+    "fma8_split32": (dict(DECODE_FMA_FP8=True, TARGET_PROGRAMS_PER_SM=32), "tokens_major", "longest_first"),
+    "fma16": (dict(DECODE_FMA_16BIT=True), "tokens_major"),
+    "fma16_n32w2s3": (dict(DECODE_FMA_16BIT=True, DECODE_FMA_NUM_WARPS=2), "tokens_major"),
+    "fma16_n64w2s3": (dict(DECODE_FMA_16BIT=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_WARPS=2), "tokens_major"),
+    "fma16_n64w4s3": (dict(DECODE_FMA_16BIT=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_WARPS=4), "tokens_major"),
 }
 
 

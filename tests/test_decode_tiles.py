@@ -8,6 +8,7 @@ must read and write the same values as the contiguous layout.
 - `store_kvcache` and the fused RoPE store write the same bytes into a heads-major K and a
   key-minor V as into contiguous ones (the same kernel both times, so the interpreter's fp8
   rounding is no matter).
+- The CUDA-core decode kernel (`triton_decode_fma`, DECODE_FMA_*) passes the same checks.
 - `new_kv_cache` gives those layouts (FP8_HEADS_MAJOR, FP8_V_KEY_MINOR) only for fp8 caches.
 
 Natively on a GPU (bf16 queries too); without one, in a child under `TRITON_INTERPRET=1`.
@@ -80,6 +81,10 @@ VARIANTS = {
     "heads_major_key_minor": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "heads_major", "key_minor",
                               ["mixed_gqa2", "decode_gqa3_d40"]),
     "tile64": (dict(DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
+    # decode on the CUDA cores (triton_decode_fma), its default tile and a 2-warp one over other layouts
+    "fma": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
+    "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2),
+                         "heads_major", "key_minor", ["decode_split3"]),
 }
 PARAMS = [(v, c, cache) for v, (_, _, v_layout, cases) in VARIANTS.items() for c in cases
           for cache in ([FP8] if v_layout == "key_minor" else [FP8, torch.float16])]

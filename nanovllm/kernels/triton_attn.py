@@ -69,7 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import kv_quant
+from nanovllm.kernels import kv_quant, triton_decode_fma
+from nanovllm.kernels.triton_paged_tiles import load_kv_tile
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
@@ -151,6 +152,13 @@ P_FP8_SCALE = tl.constexpr(256.0)
 # over B1's decode batches (its best, 64-key tiles at 128 registers and 2 stages: 3.151 s against
 # 3.098; RESULTS.md "Tenth session"). DECODE_FP8_QUERY_QUANT takes precedence where both are on.
 DECODE_FP8_PV_MMA = False
+# Decode-only batches on the CUDA cores instead (`triton_decode_fma`: no tensor cores, no
+# shared-memory staging of K/V), per cache kind, with that kernel's tile. Off until measured.
+DECODE_FMA_FP8 = False
+DECODE_FMA_16BIT = False
+DECODE_FMA_BLOCK_N = 32
+DECODE_FMA_NUM_WARPS = 1
+DECODE_FMA_NUM_STAGES = 3
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -255,39 +263,6 @@ def _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                  stride_b, stride_r, stride_h, stride_d,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """Gather the cache rows of `positions` through the block table.  # [BLOCK_N, HEAD_DIM_PAD]
-
-    Positions at or past `ctx_len` (MASKED tiles only) read 0, never the cache: slots
-    outside the context may hold anything, NaN included. Masks are built only where
-    needed: a mask the compiler cannot prove uniform would stop 16-byte loads.
-    """
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    if MASKED:
-        pos_ok = positions < ctx_len
-        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
-    else:  # the caller passes context positions only
-        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
-    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
-                + kv_head * stride_h)                 # [BLOCK_N]
-    ptrs = cache_ptr + row_offs[:, None] + dims[None, :] * stride_d
-    if HEAD_DIM == HEAD_DIM_PAD:
-        if MASKED:
-            tile = tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
-        else:
-            tile = tl.load(ptrs)
-    else:
-        mask = (dims < HEAD_DIM)[None, :]
-        if MASKED:
-            mask = mask & pos_ok[:, None]
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit
 def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
                     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
@@ -298,7 +273,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
-    k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+    k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
@@ -308,7 +283,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     m_new = tl.maximum(m_i, tl.max(s, 1))                                 # [BLOCK_M]
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])                                       # [BLOCK_M, BLOCK_N]
-    v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+    v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -335,7 +310,7 @@ def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
     (O^T times P_FP8_SCALE), q_t [HEAD_DIM_PAD, BLOCK_M] e4m3, scale_log2 [1, BLOCK_M] (the
     softmax, key and query row scales). K and V stay e4m3."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
-    k = _load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+    k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
     s_t = tl.dot(k, q_t) * scale_log2                                     # [BLOCK_N, BLOCK_M] fp32
@@ -345,7 +320,7 @@ def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
     alpha = tl.exp2(m_i - m_new)
     p_t = tl.exp2(s_t - m_new[None, :])                                   # [BLOCK_N, BLOCK_M]
     l_i = l_i * alpha + tl.sum(p_t, 0)
-    v = _load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+    v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                       stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                       PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
     pv_t = tl.dot(tl.trans(v), (p_t * P_FP8_SCALE).to(q_t.dtype))        # [D, BLOCK_M] fp32
@@ -665,6 +640,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
                        _large_prefill_tile(q.device, q.dtype, kv_fp8))
+    if max_seqlen_q == 1 and (DECODE_FMA_FP8 if kv_fp8 else DECODE_FMA_16BIT):
+        return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
+                           k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
@@ -688,12 +666,47 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
         **cfg)
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
-            SPLITS_BLOCK=COMBINE_SPLITS_BLOCK,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+        _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
+
+
+def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
+                scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                kv_fp8: bool, max_seqlen_k: int | None, num_splits: int | None) -> torch.Tensor:
+    """`paged_attention` of a decode-only batch through `triton_decode_fma`."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
+    qpk = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = _choose_num_splits(num_seqs * num_kv_heads, max_seqlen_k, q.device)
+    head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
+    triton_decode_fma.decode_fma_kernel[(num_kv_heads * num_splits, num_seqs)](
+        out, part_out, part_lse, q, k_cache, v_cache,
+        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), BLOCK_N=DECODE_FMA_BLOCK_N,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
+        IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8,
+        num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES)
+    if num_splits > 1:
+        _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
+    return out
+
+
+def _combine(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, num_splits: int,
+             head_dim: int, head_dim_pad: int) -> None:
+    """Merge the splits' partial outputs into `out` (one program per token and head)."""
+    num_tokens, num_heads = out.shape[0], out.shape[1]
+    _combine_splits_kernel[(num_tokens, num_heads)](
+        out, part_out, part_lse, out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        SPLITS_BLOCK=COMBINE_SPLITS_BLOCK, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
 
 
 def _split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim_pad: int,

@@ -1,0 +1,37 @@
+"""The gather of one K or V tile of a paged cache through a sequence's block table: the one
+memory access pattern the attention kernels (`triton_attn`, `triton_decode_fma`) share."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                  stride_b, stride_r, stride_h, stride_d,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """Gather the cache rows of `positions` through the block table.  # [BLOCK_N, HEAD_DIM_PAD]
+
+    Positions at or past `ctx_len` (MASKED tiles only) read 0, never the cache: slots
+    outside the context may hold anything, NaN included. Masks are built only where
+    needed: a mask the compiler cannot prove uniform would stop 16-byte loads.
+    """
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    if MASKED:
+        pos_ok = positions < ctx_len
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
+    else:  # the caller passes context positions only
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
+    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
+                + kv_head * stride_h)                 # [BLOCK_N]
+    ptrs = cache_ptr + row_offs[:, None] + dims[None, :] * stride_d
+    if HEAD_DIM == HEAD_DIM_PAD:
+        if MASKED:
+            tile = tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        mask = (dims < HEAD_DIM)[None, :]
+        if MASKED:
+            mask = mask & pos_ok[:, None]
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
