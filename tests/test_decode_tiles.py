@@ -85,6 +85,8 @@ VARIANTS = {
     "fma": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
     "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2),
                          "heads_major", "key_minor", ["decode_split3"]),
+    "fma_acc2d": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_ACC_2D=True), "plain", "plain",
+                  ["decode_gqa3_d40"]),
 }
 PARAMS = [(v, c, cache) for v, (_, _, v_layout, cases) in VARIANTS.items() for c in cases
           for cache in ([FP8] if v_layout == "key_minor" else [FP8, torch.float16])]

@@ -159,6 +159,7 @@ DECODE_FMA_16BIT = False
 DECODE_FMA_BLOCK_N = 32
 DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
+DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True)
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -678,11 +679,12 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
     qpk = num_heads // num_kv_heads
+    pairs = triton.cdiv(qpk, triton_decode_fma.HEADS_PER_PROGRAM.value)
     if num_splits is None:
-        num_splits = _choose_num_splits(num_seqs * num_kv_heads, max_seqlen_k, q.device)
+        num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
-    triton_decode_fma.decode_fma_kernel[(num_kv_heads * num_splits, num_seqs)](
+    triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_cache, v_cache,
         cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
         k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
@@ -690,9 +692,9 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
-        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), BLOCK_N=DECODE_FMA_BLOCK_N,
+        QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
-        IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8,
+        IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES)
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)

@@ -28,31 +28,83 @@ from nanovllm.kernels.triton_paged_tiles import load_kv_tile
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
+# Query heads one program computes, each with its own scalar softmax state and [D] (or
+# [BLOCK_N, D]) accumulator, written out per head (Triton has no per-row loop over a tile).
+HEADS_PER_PROGRAM = tl.constexpr(2)
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
+def _softmax_step(s, m_i, l_i, positions, ctx_len, MASKED: tl.constexpr):
+    """One query head's scores s [BLOCK_N] (base 2) -> (p [BLOCK_N], alpha, new running max, new sum)."""
+    if MASKED:
+        s = tl.where(positions < ctx_len, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 0)
+
+
+@triton.jit
+def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr):
+    """acc * alpha + p V: acc [D], or [BLOCK_N, D] with the sum over keys left to the end."""
+    if ACC_2D:
+        return acc * alpha + p[:, None] * v
+    return acc * alpha + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
+def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
+                 k_cache_ptr, v_cache_ptr, block_table_ptr,
                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """One online-softmax step of the group's query heads over KV tile `tile`.
-    acc [QPK_PAD, D] fp32, m_i / l_i [QPK_PAD], q [QPK_PAD, D] fp32 (softmax scale in it)."""
+                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr):
+    """One online-softmax step of the program's two query heads over KV tile `tile`.
+    q0, q1 [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`. Written per
+    head on 2-D tiles only: the scores come out in the layout of the tile's rows, which is the
+    layout p needs against V, so no tile changes layout (a [heads, keys, D] broadcast did, through
+    shared memory, and ran at a third of the copy bandwidth)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N]
     k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED).to(tl.float32)                     # [BLOCK_N, D]
-    s = tl.sum(q[:, None, :] * k[None, :, :], 2)                           # [QPK_PAD, BLOCK_N]
-    if MASKED:
-        s = tl.where((positions < ctx_len)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))                                  # [QPK_PAD]
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                        # [QPK_PAD, BLOCK_N]
+    p0, alpha0, m0, l0 = _softmax_step(tl.sum(k * q0[None, :], 1), m0, l0, positions, ctx_len, MASKED)
+    p1, alpha1, m1, l1 = _softmax_step(tl.sum(k * q1[None, :], 1), m1, l1, positions, ctx_len, MASKED)
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED).to(tl.float32)                     # [BLOCK_N, D]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)  # [QPK_PAD, D]
-    return acc, m_new, l_i
+    acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D)
+    acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D)
+    return acc0, acc1, m0, m1, l0, l1
+
+
+@triton.jit
+def _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, v_scale, token, head, head_end, split,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_SPLIT: tl.constexpr):
+    """One query head's output [D] (or its split's partial output and log2-sum-exp); nothing for
+    a head at or past `head_end`."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    head_ok = dims * 0 + head < head_end  # [D]: Triton 3.9's interpreter rejects a scalar mask in `&`
+    has_keys = l_i > 0.0  # false only for a split past the end of a short context
+    o = acc / tl.where(has_keys, l_i, 1.0) * v_scale                       # [D]
+    if not IS_SPLIT:
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
+                 mask=(dims < HEAD_DIM) & head_ok)
+    else:  # padded dims too: the combine reads them
+        tl.store(part_out_ptr + token * stride_pt + head * stride_ph + split * HEAD_DIM_PAD + dims, o,
+                 mask=(dims < HEAD_DIM_PAD) & head_ok)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=head < head_end)
+
+
+@triton.jit
+def _load_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2,
+            HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """One query head's query in fp32 times the softmax scale (zeros for a head at or past
+    `head_end`, outside the group)."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=(dims < HEAD_DIM) & (dims * 0 + head < head_end), other=0.0)
+    return q.to(tl.float32) * scale_log2                                    # [D]
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
@@ -63,27 +115,29 @@ def decode_fma_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
-        QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        QPK: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
-    """Grid: (KV heads x splits, sequences). One program: one sequence's query heads of one
-    KV head over one split of its context."""
+        IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr):
+    """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
+    query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
+    more than two query heads reads its K/V once per pair (the second read mostly from L2)."""
+    pairs = tl.cdiv(QPK, HEADS_PER_PROGRAM)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(0) // num_splits
+    kv_head = tl.program_id(0) // (pairs * num_splits)
+    pair = tl.program_id(0) // num_splits % pairs
     split = tl.program_id(0) % num_splits
     token = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) == token:  # no query this step
         return
     ctx_len = tl.load(seq_lens_k_ptr + seq)
-    if KV_FP8:  # the KV head's key scale joins the softmax scale
+    v_scale = 1.0
+    if KV_FP8:  # the KV head's key scale joins the softmax scale, its value scale the output
         scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
-    rows = tl.arange(0, QPK_PAD)
-    head = kv_head * QPK + rows                                            # [QPK_PAD]
-    row_ok = rows < QPK
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    q = q.to(tl.float32) * scale_log2                                      # [QPK_PAD, D]
+        v_scale = tl.load(v_scale_ptr + kv_head)
+    head0 = kv_head * QPK + pair * HEADS_PER_PROGRAM
+    head_end = (kv_head + 1) * QPK  # the group's heads are below it (head0 always; head0 + 1 if QPK > 1)
+    q0 = _load_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
+    q1 = _load_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
 
     num_tiles = tl.cdiv(ctx_len, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
@@ -91,30 +145,30 @@ def decode_fma_kernel(
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     full_end = tl.minimum(ctx_len // BLOCK_N, tile_end)   # tiles wholly inside the context
     masked_begin = tl.maximum(tile_begin, full_end)
-    m_i = tl.full([QPK_PAD], RUNNING_MAX_INIT, dtype=tl.float32)
-    l_i = tl.zeros([QPK_PAD], dtype=tl.float32)
-    acc = tl.zeros([QPK_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    m0 = tl.full((), RUNNING_MAX_INIT, dtype=tl.float32)
+    m1 = m0
+    l0 = tl.zeros((), dtype=tl.float32)
+    l1 = l0
+    if ACC_2D:
+        acc0 = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    acc1 = acc0
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(tile_begin, full_end):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-                                     block_table_ptr, stride_kb, stride_kr, stride_kh,
-                                     stride_vb, stride_vr, stride_vh, stride_vd,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False)
+        acc0, acc1, m0, m1, l0, l1 = _attend_tile(
+            acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D)
     for tile in range(masked_begin, tile_end):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
-                                     block_table_ptr, stride_kb, stride_kr, stride_kh,
-                                     stride_vb, stride_vr, stride_vh, stride_vd,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True)
-
-    has_keys = l_i > 0.0  # false only for a split past the end of a short context
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]                       # [QPK_PAD, D]
-    if KV_FP8:  # every value row of this KV head had the same scale
-        o = o * tl.load(v_scale_ptr + kv_head)
-    if not IS_SPLIT:
-        offs = token * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + offs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
-    else:
-        offs = token * stride_pt + head[:, None] * stride_ph + split * HEAD_DIM_PAD + dims[None, :]
-        tl.store(part_out_ptr + offs, o, mask=row_ok[:, None])  # padded dims too: the combine reads them
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        acc0, acc1, m0, m1, l0, l1 = _attend_tile(
+            acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D)
+    if ACC_2D:
+        acc0 = tl.sum(acc0, 0)
+        acc1 = tl.sum(acc1, 0)
+    _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc0, m0, l0, v_scale, token, head0, head_end, split,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
+    _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc1, m1, l1, v_scale, token, head0 + 1, head_end, split,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
