@@ -136,7 +136,13 @@ VARIANTS = {
     "fma8_n32w2s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_NUM_WARPS=2), "tokens_major", "longest_first"),
     "fma8_n64w2s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=64, DECODE_FMA_NUM_WARPS=2),
                      "tokens_major", "longest_first"),
-    "fma8_split32": (dict(DECODE_FMA_FP8=True, TARGET_PROGRAMS_PER_SM=32), "tokens_major", "longest_first"),
+    "fma8_split8": (dict(DECODE_FMA_FP8=True, DECODE_FMA_PROGRAMS_PER_SM=8), "tokens_major", "longest_first"),
+    "fma8_split64": (dict(DECODE_FMA_FP8=True, DECODE_FMA_PROGRAMS_PER_SM=64), "tokens_major", "longest_first"),
+    "fma8_split32_k256": (dict(DECODE_FMA_FP8=True, MIN_KEYS_PER_SPLIT=256), "tokens_major", "longest_first"),
+    "fma8_n32w1s2": (dict(DECODE_FMA_FP8=True, DECODE_FMA_NUM_STAGES=2), "tokens_major", "longest_first"),
+    "fma8_n32w1s4": (dict(DECODE_FMA_FP8=True, DECODE_FMA_NUM_STAGES=4), "tokens_major", "longest_first"),
+    "fma8_n16w1s3": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_STAGES=3),
+                     "tokens_major", "longest_first"),
     # P V summed over keys once at the end (DECODE_FMA_ACC_2D): [BLOCK_N, D] accumulators per head
     "fma8_a2_n16w1s4": (dict(DECODE_FMA_FP8=True, DECODE_FMA_ACC_2D=True, DECODE_FMA_BLOCK_N=16,
                              DECODE_FMA_NUM_STAGES=4), "tokens_major", "longest_first"),
@@ -149,6 +155,13 @@ VARIANTS = {
     "fma16_a2_n16w1s4": (dict(DECODE_FMA_16BIT=True, DECODE_FMA_ACC_2D=True, DECODE_FMA_BLOCK_N=16,
                               DECODE_FMA_NUM_STAGES=4), "tokens_major"),
 }
+
+# The fp8 tensor-core tile's variants (DECODE_FP8_*, FP8_* layouts) measure that tile: the CUDA-core
+# kernel, an fp8 cache's default decode, is off in them ("lpt" and "fma8*" are the engine's default).
+for _constants, *_ in VARIANTS.values():
+    if any(k.startswith(("DECODE_FP8_", "FP8_")) for k in _constants):
+        _constants.setdefault("DECODE_FMA_FP8", False)
+VARIANTS["f8mma"] = (dict(DECODE_FMA_FP8=False), "tokens_major", "longest_first")  # the tensor-core tile as it was
 
 
 def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], int]:

@@ -76,11 +76,13 @@ CASES = {
     "decode_gqa3_d40": ([(0, 1), (63, 1), (64, 1), (200, 1)], 6, 2, 40, 16, dict(max_seqlen_q=1)),
 }
 # name -> (triton_attn constants, K layout, V layout, cases)
+# (the tensor-core tile's variants turn the CUDA-core kernel, an fp8 cache's default, off)
 VARIANTS = {
-    "key_minor": ({}, "plain", "key_minor", ["mixed_gqa2", "decode_split3"]),
-    "heads_major_key_minor": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5), "heads_major", "key_minor",
-                              ["mixed_gqa2", "decode_gqa3_d40"]),
-    "tile64": (dict(DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
+    "key_minor": (dict(DECODE_FMA_FP8=False), "plain", "key_minor", ["mixed_gqa2", "decode_split3"]),
+    "heads_major_key_minor": (dict(DECODE_FMA_FP8=False, DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_STAGES=5),
+                              "heads_major", "key_minor", ["mixed_gqa2", "decode_gqa3_d40"]),
+    "tile64": (dict(DECODE_FMA_FP8=False, DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64), "plain", "plain",
+               ["decode_split3", "decode_gqa3_d40"]),
     # decode on the CUDA cores (triton_decode_fma), its default tile and a 2-warp one over other layouts
     "fma": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
     "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2),

@@ -44,6 +44,10 @@ Nothing in `paged_attention` reads device memory from the host: the grid comes f
 tensor shapes and host-known keyword arguments, so a decode batch can be captured in a
 CUDA graph. Head sizes that are not a power of two are padded and masked.
 
+Decode-only batches over an fp8 cache run `triton_decode_fma` (the products on the CUDA
+cores, no shared-memory staging: DECODE_FMA_*), which read B1's fp8 cache faster than the
+tensor-core decode tile below; 16-bit caches keep the tile.
+
 Decode-tile options, all off by default (each replayed slower than the default tile over
 B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
 kept as module constants so benchmarks can set them: `DECODE_*_MAXNREG` (a register cap),
@@ -61,7 +65,7 @@ counts, head size, block size, dtype, cache dtype: an fp8 cache has its own deco
 DECODE_FP8_*; the prefill tile PREFILL_* or, with PREFILL_LARGE_TILE, PREFILL_LARGE_* for a
 16-bit cache on Hopper or later) the attention kernel has 4, decode or prefill tiles times split or not
 (`IS_SPLIT`; the split count itself is a run-time argument), the combine kernel 1, the
-store kernel 1. The cache layout is fixed when the cache is allocated, so the strides
+store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead. The cache layout is fixed when the cache is allocated, so the strides
 Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
@@ -153,13 +157,20 @@ P_FP8_SCALE = tl.constexpr(256.0)
 # 3.098; RESULTS.md "Tenth session"). DECODE_FP8_QUERY_QUANT takes precedence where both are on.
 DECODE_FP8_PV_MMA = False
 # Decode-only batches on the CUDA cores instead (`triton_decode_fma`: no tensor cores, no
-# shared-memory staging of K/V), per cache kind, with that kernel's tile. Off until measured.
-DECODE_FMA_FP8 = False
+# shared-memory staging of K/V), per cache kind, with that kernel's tile and split target.
+# On for an fp8 cache: B1's decode attention replayed in 2.836 s (0.619 of copy bandwidth)
+# against the tensor-core tile's 3.092 (0.567), and B1 ran at 29,706 tok/s on its first call
+# against 28,464 (RESULTS.md "Twelfth session"); the fp8 tensor-core options above, where one is
+# set, take precedence. Off for 16-bit caches: 4.623 s against the tensor-core tile's 3.736.
+# Tiles: 32 keys, 1 warp, 3 stages replayed fastest of 9 (16/64 keys 12-15% slower, 2 warps
+# 1.6-2.6x slower); 32 programs per multiprocessor (1-warp programs) 6% faster than 8.
+DECODE_FMA_FP8 = True
 DECODE_FMA_16BIT = False
 DECODE_FMA_BLOCK_N = 32
 DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
-DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True)
+DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TARGET_PROGRAMS_PER_SM's)
+DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -559,9 +570,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.device) -> int:
-    """Split-KV factor that fills the GPU without making segments too short."""
-    target = TARGET_PROGRAMS_PER_SM * _num_sms(device)
+def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.device,
+                       programs_per_sm: int | None = None) -> int:
+    """Split-KV factor that fills the GPU (`programs_per_sm` programs a multiprocessor, default
+    TARGET_PROGRAMS_PER_SM) without making segments too short."""
+    target = (programs_per_sm or TARGET_PROGRAMS_PER_SM) * _num_sms(device)
     if programs >= target:
         return 1
     by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
@@ -641,7 +654,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
                        _large_prefill_tile(q.device, q.dtype, kv_fp8))
-    if max_seqlen_q == 1 and (DECODE_FMA_FP8 if kv_fp8 else DECODE_FMA_16BIT):
+    if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
@@ -671,6 +684,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether a decode-only batch runs on the CUDA cores (DECODE_FMA_*): per cache kind, unless
+    an fp8 tensor-core option applies to it."""
+    if not kv_fp8:
+        return DECODE_FMA_16BIT
+    tensor_core_option = _fp8_mma(cache_dtype, q_dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA)
+    return DECODE_FMA_FP8 and not tensor_core_option
+
+
 def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
                 scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
@@ -681,7 +703,8 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     qpk = num_heads // num_kv_heads
     pairs = triton.cdiv(qpk, triton_decode_fma.HEADS_PER_PROGRAM.value)
     if num_splits is None:
-        num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device)
+        num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device,
+                                        DECODE_FMA_PROGRAMS_PER_SM)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
     triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
