@@ -74,6 +74,7 @@ CASES = {
     "mixed_gqa2": ([(0, 7), (19, 5), (130, 10), (0, 1), (32, 1)], 4, 2, 32, 16, dict(max_seqlen_q=10)),
     "decode_split3": ([(0, 1), (69, 1), (149, 1)], 8, 2, 64, 16, dict(max_seqlen_q=1, num_splits=3)),
     "decode_gqa3_d40": ([(0, 1), (63, 1), (64, 1), (200, 1)], 6, 2, 40, 16, dict(max_seqlen_q=1)),
+    "decode_gqa2_split2": ([(0, 1), (40, 1), (150, 1)], 4, 2, 64, 16, dict(max_seqlen_q=1, num_splits=2)),
 }
 # name -> (triton_attn constants, K layout, V layout, cases)
 # (the tensor-core tile's variants turn the CUDA-core kernel, an fp8 cache's default, off)
@@ -84,11 +85,14 @@ VARIANTS = {
     "tile64": (dict(DECODE_FMA_FP8=False, DECODE_BLOCK_N=64, DECODE_FP8_BLOCK_N=64), "plain", "plain",
                ["decode_split3", "decode_gqa3_d40"]),
     # decode on the CUDA cores (triton_decode_fma), its default tile and a 2-warp one over other layouts
-    "fma": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True), "plain", "plain", ["decode_split3", "decode_gqa3_d40"]),
-    "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2),
-                         "heads_major", "key_minor", ["decode_split3"]),
+    # (groups above DECODE_FMA_MAX_GROUP allowed, so that programs of more than one pair of heads run)
+    "fma": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True), "plain", "plain", ["decode_gqa2_split2"]),
+    "fma_groups": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_MAX_GROUP=8), "plain", "plain",
+                   ["decode_split3", "decode_gqa3_d40"]),
+    "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2,
+                              DECODE_FMA_MAX_GROUP=8), "heads_major", "key_minor", ["decode_split3"]),
     "fma_acc2d": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_ACC_2D=True), "plain", "plain",
-                  ["decode_gqa3_d40"]),
+                  ["decode_gqa2_split2"]),
 }
 PARAMS = [(v, c, cache) for v, (_, _, v_layout, cases) in VARIANTS.items() for c in cases
           for cache in ([FP8] if v_layout == "key_minor" else [FP8, torch.float16])]

@@ -171,6 +171,11 @@ DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
 DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TARGET_PROGRAMS_PER_SM's)
 DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
+# Query heads per KV head up to which decodes take the CUDA-core kernel: it computes two heads a
+# program, so a larger group reads its K/V once per pair of heads. The Qwen3-8B shape (4 per KV
+# head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
+# 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
+DECODE_FMA_MAX_GROUP = 2
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -654,7 +659,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
                        _large_prefill_tile(q.device, q.dtype, kv_fp8))
-    if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype):
+    if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
@@ -684,9 +689,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
-    """Whether a decode-only batch runs on the CUDA cores (DECODE_FMA_*): per cache kind, unless
-    an fp8 tensor-core option applies to it."""
+def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:
+    """Whether a decode-only batch runs on the CUDA cores (DECODE_FMA_*): per cache kind, for
+    groups of up to DECODE_FMA_MAX_GROUP query heads, unless an fp8 tensor-core option applies."""
+    if qpk > DECODE_FMA_MAX_GROUP:
+        return False
     if not kv_fp8:
         return DECODE_FMA_16BIT
     tensor_core_option = _fp8_mma(cache_dtype, q_dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA)
