@@ -670,13 +670,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
-        out, part_out, part_lse, q, k_cache, v_cache,
-        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                      scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
@@ -687,6 +682,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
+
+
+def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_splits: int) -> tuple:
+    """The run-time arguments both attention kernels take, in their order (a cache without
+    scales passes any int32 tensor for the unused scale pointers)."""
+    return (out, part_out, part_lse, q, k_cache, v_cache,
+            cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
+            seq_lens_k if k_scale is None else k_scale, seq_lens_k if v_scale is None else v_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
 
 
 def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:
@@ -715,13 +725,8 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
     triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
-        out, part_out, part_lse, q, k_cache, v_cache,
-        cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                      scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
         QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,

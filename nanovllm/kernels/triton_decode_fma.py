@@ -103,7 +103,9 @@ def _load_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2,
     """One query head's query in fp32 times the softmax scale (zeros for a head at or past
     `head_end`, outside the group)."""
     dims = tl.arange(0, HEAD_DIM_PAD)
-    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=(dims < HEAD_DIM) & (dims * 0 + head < head_end), other=0.0)
+    # (the head test as a [D] tensor: Triton 3.9's interpreter rejects a scalar mask in `&`)
+    mask = (dims < HEAD_DIM) & (dims * 0 + head < head_end)
+    q = tl.load(q_ptr + token * stride_qt + head * stride_qh + dims, mask=mask, other=0.0)
     return q.to(tl.float32) * scale_log2                                    # [D]
 
 
