@@ -171,6 +171,11 @@ DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
 DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TARGET_PROGRAMS_PER_SM's)
 DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
+# A tile's P V in fp16 (packed, two products an instruction; the fp8 values are exact in fp16,
+# p rounded to fp16 as the tensor-core tile rounds it) before it joins the fp32 accumulator,
+# instead of fp32 (each value converted once more). Fp8 caches only.
+DECODE_FMA_PV_FP16 = True
+DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 168 fits 12 one-warp programs an SM)
 # Query heads per KV head up to which decodes take the CUDA-core kernel: it computes two heads a
 # program, so a larger group reads its K/V once per pair of heads. The Qwen3-8B shape (4 per KV
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
@@ -730,7 +735,9 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
-        num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES)
+        PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D,
+        num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
+        **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out

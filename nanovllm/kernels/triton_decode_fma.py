@@ -45,8 +45,13 @@ def _softmax_step(s, m_i, l_i, positions, ctx_len, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr):
-    """acc * alpha + p V: acc [D], or [BLOCK_N, D] with the sum over keys left to the end."""
+def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr):
+    """acc * alpha + p V: acc [D], or [BLOCK_N, D] with the sum over keys left to the end.
+    PV_FP16: v [BLOCK_N, D] fp16, the tile's products and their sum over keys in fp16 (packed
+    two a instruction), added to the fp32 accumulator."""
+    if PV_FP16:
+        pv = tl.sum(p.to(tl.float16)[:, None] * v, 0, dtype=tl.float16)
+        return acc * alpha + pv.to(tl.float32)
     if ACC_2D:
         return acc * alpha + p[:, None] * v
     return acc * alpha + tl.sum(p[:, None] * v, 0)
@@ -57,7 +62,8 @@ def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
                  k_cache_ptr, v_cache_ptr, block_table_ptr,
                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr,
+                 PV_FP16: tl.constexpr):
     """One online-softmax step of the program's two query heads over KV tile `tile`.
     q0, q1 [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`. Written per
     head on 2-D tiles only: the scores come out in the layout of the tile's rows, which is the
@@ -71,9 +77,9 @@ def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
     p1, alpha1, m1, l1 = _softmax_step(tl.sum(k * q1[None, :], 1), m1, l1, positions, ctx_len, MASKED)
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
-                     PAGE_SIZE, MASKED).to(tl.float32)                     # [BLOCK_N, D]
-    acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D)
-    acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D)
+                     PAGE_SIZE, MASKED).to(tl.float16 if PV_FP16 else tl.float32)  # [BLOCK_N, D]
+    acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D, PV_FP16)
+    acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D, PV_FP16)
     return acc0, acc1, m0, m1, l0, l1
 
 
@@ -119,7 +125,7 @@ def decode_fma_kernel(
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
         QPK: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr):
+        IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr):
     """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
     query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
     more than two query heads reads its K/V once per pair (the second read mostly from L2)."""
@@ -161,12 +167,12 @@ def decode_fma_kernel(
         acc0, acc1, m0, m1, l0, l1 = _attend_tile(
             acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D)
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16)
     for tile in range(masked_begin, tile_end):
         acc0, acc1, m0, m1, l0, l1 = _attend_tile(
             acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D)
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16)
     if ACC_2D:
         acc0 = tl.sum(acc0, 0)
         acc1 = tl.sum(acc1, 0)
