@@ -173,9 +173,12 @@ DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TA
 DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
 # A tile's P V in fp16 (packed, two products an instruction; the fp8 values are exact in fp16,
 # p rounded to fp16 as the tensor-core tile rounds it) before it joins the fp32 accumulator,
-# instead of fp32 (each value converted once more). Fp8 caches only.
-DECODE_FMA_PV_FP16 = True
-DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 168 fits 12 one-warp programs an SM)
+# instead of fp32 (each value converted once more). Fp8 caches only. Off: 7% fewer instructions
+# a tile and 130 registers instead of 168, but B1's fp8 attention replayed in 3.126 s against
+# 2.844 (2.824 with DECODE_FMA_MAXNREG = 128: within 1%), B1 28,253 tok/s (RESULTS.md "Twelfth
+# session", call 5).
+DECODE_FMA_PV_FP16 = False
+DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed as fast, 96 slower)
 # Query heads per KV head up to which decodes take the CUDA-core kernel: it computes two heads a
 # program, so a larger group reads its K/V once per pair of heads. The Qwen3-8B shape (4 per KV
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
