@@ -72,8 +72,8 @@ def tp_model(tiny_model, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def ranks_from_the_fork_server(monkeypatch):
-    """Every engine of this module forks its ranks from the fork server, unless its test sets
-    START_METHOD_ENV back to "spawn" (the default) itself."""
+    """Every engine of this module forks its ranks from the fork server, unless its test removes
+    START_METHOD_ENV again (the default, spawn)."""
     monkeypatch.setenv(START_METHOD_ENV, "forkserver")
 
 
