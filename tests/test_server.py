@@ -94,8 +94,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    """The module's server; test_sigterm_drains_and_exits, the last test to use it, stops it."""
     srv = ServerProcess(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
-                        "--log-stats-interval", "1")
+                        "--log-stats-interval", "1", "--shutdown-timeout", "1")
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM), "".join(srv.log[-40:])
 
@@ -564,10 +565,11 @@ def test_metrics_and_throughput_log(server):
     assert any("Avg generation throughput" in line for line in server.log)
 
 
-def test_sigterm_drains_and_exits(model_dir):
-    srv = ServerProcess(model_dir, "--shutdown-timeout", "1")
+def test_sigterm_drains_and_exits(server):
+    """The module's server (--shutdown-timeout 1), after every other test that uses it."""
+    srv = server
     body = {"prompt": "Keep talking", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass

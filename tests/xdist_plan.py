@@ -1,4 +1,4 @@
-"""How the suite splits over pytest-xdist workers (`python -m pytest -q -n 2`).
+"""How the suite splits over pytest-xdist workers (`python -m pytest -q -n 2`, the README's command).
 
 - Whole files go to one worker: their module fixtures (servers, the Ray cluster, spawned
   engine processes, the HF model from the GGUF) are built once, as in a serial run.
@@ -13,11 +13,13 @@ import os
 
 INTERPRETER_GROUP = "triton-interpreter"
 INTERPRETER_TEST_SUFFIX = "_under_triton_interpreter"
-# The groups measured the longest (`--durations` of a whole serial run on the 2-core VM: test_tp
-# 130-160 s, test_ray ~130 s, the interpreter child ~90 s, then 35-55 s each), longest first;
-# every other file follows in collection order.
-LONGEST_FIRST = ("test_tp.py", "test_ray.py", INTERPRETER_GROUP, "test_server.py", "test_cli.py",
-                 "test_structured_rounds.py", "test_engine_process.py", "test_gguf.py", "test_run_batch.py")
+# The groups measured the longest, longest first (item times summed from `--durations=0` of a
+# `-n 2` run on the 2-core AVX512 VM, twelfth session: test_ray 124 s, test_parity 77 s, the
+# interpreter child 58 s, test_tp 45 s, test_server 38 s, then 17-28 s each); every other file
+# follows in collection order.
+LONGEST_FIRST = ("test_ray.py", "test_parity.py", INTERPRETER_GROUP, "test_tp.py", "test_server.py", "test_cli.py",
+                 "test_cpu_compile.py", "test_fp8_kv.py", "test_gguf.py", "test_structured_outputs.py",
+                 "test_structured_rounds.py", "test_engine_process.py")
 SCHEDULED_DISTS = ("load", "loadgroup")
 
 

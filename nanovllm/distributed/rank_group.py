@@ -1,7 +1,9 @@
 """RankGroup: rank 0's handle on the worker processes (ranks 1..N-1) of one engine.
 
 Start-up: rank 0 serves a TCP store on a port the OS picks, creates a ShmChannel
-(unique segment name) and spawns (never forks) one process per worker rank. Each
+(unique segment name) and starts one process per worker rank: spawned by default, or
+forked from one warm server process with NANOVLLM_WORKER_MULTIPROC_METHOD=forkserver
+(`start_context`); never forked from rank 0 itself. Each
 worker says hello, joins the process group, builds its object (a `ModelRunner`)
 with `factory(*args, rank=r)` and says it is ready; rank 0 builds its own in
 between. Then every worker waits in `_serve` for commands.
@@ -47,6 +49,10 @@ FAILURE_GRACE_S = 5.0   # after rank 0's own call fails: time for a worker's rep
 EXIT_TIMEOUT_S = 10.0   # how long a worker gets to leave after "exit" before it is terminated
 KILL_TIMEOUT_S = 5.0    # ... and after SIGTERM before SIGKILL
 FINALIZER_PRIORITY = 10  # any value >= 0 runs before multiprocessing joins children at exit
+START_METHOD_ENV = "NANOVLLM_WORKER_MULTIPROC_METHOD"
+START_METHODS = ("spawn", "forkserver")
+# imported once by the fork server, so that a rank forked from it starts with them loaded
+FORKSERVER_PRELOAD = ["nanovllm.distributed.rank_group", "nanovllm.engine.model_runner"]
 
 
 class TensorParallelError(RuntimeError):
@@ -62,7 +68,7 @@ class RankGroup:
         _check_can_start(world_size, device)
         self.world_size = world_size
         self._error: str | None = None
-        ctx = mp.get_context("spawn")
+        ctx = start_context()
         store = dist.TCPStore(STORE_HOST, 0, world_size, is_master=True, wait_for_workers=False)
         self._res = _Resources(ShmChannel.create(ctx, world_size - 1), store)
         # runs on shutdown(), on garbage collection, or at interpreter exit before multiprocessing
@@ -232,6 +238,29 @@ class _Resources:
         self.channel.close()
         if self.saved_num_threads is not None:
             torch.set_num_threads(self.saved_num_threads)
+
+
+def start_context():
+    """How worker ranks are started, from NANOVLLM_WORKER_MULTIPROC_METHOD (vLLM's
+    VLLM_WORKER_MULTIPROC_METHOD, without "fork": rank 0 may hold threads and a CUDA context):
+
+    - "spawn" (the default): a fresh interpreter per rank, which imports torch and nano-vLLM
+      again (seconds on a small CPU machine) at every engine start;
+    - "forkserver": multiprocessing's fork server, started at the first tensor-parallel engine,
+      imports torch and nano-vLLM once (FORKSERVER_PRELOAD; it never touches a GPU) and forks
+      each rank from that state: later engines of this process start their ranks in well under
+      a second. Each rank still runs the main module as with "spawn" (hence the `__main__`
+      guard). The server is one more process for as long as this one runs.
+
+    Anything else is a ValueError naming the variable.
+    """
+    method = os.environ.get(START_METHOD_ENV, "spawn")
+    if method not in START_METHODS:
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use one of {', '.join(START_METHODS)}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
 
 
 def _check_can_start(world_size: int, device: torch.device) -> None:
