@@ -212,3 +212,21 @@ def test_no_mirror_where_it_would_outgrow_the_paged_cache():
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     mirror = cpu_decode_mirror._mirror_of(k_cache)
     assert mirror.k is None and not mirror.held
+
+
+@pytest.mark.skipif(not __import__("nanovllm.utils.device", fromlist=["x"]).cpu_has_fast_bf16(),
+                    reason="the bf16 products path runs only where the CPU multiplies bf16 fast")
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+def test_bf16_decode_by_products_matches_fp32_reference(num_heads, num_kv_heads):
+    """bf16 decode attention (two batched products around an fp32 softmax on AVX512-BF16 / AMX)
+    equals the fp32 reference on the same bf16 values to bf16 rounding."""
+    seq_lens = [1, 16, 17, 40, 5, 33]
+    q, k_cache, v_cache, *rest = _paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads,
+                                             layout="heads_major")
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    expected = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), *rest, scale=0.25)
+    ours = cpu_attn.paged_attention(q, k_cache, v_cache, *rest, scale=0.25)
+    assert ours.dtype == torch.bfloat16
+    # bf16 outputs (|o| < ~1) and bf16 probabilities: off by a few 2^-8 steps; a wrong mask or
+    # head mapping is off by ~0.1-1
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)
