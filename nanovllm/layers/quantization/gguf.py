@@ -33,9 +33,10 @@ from nanovllm.utils.device import cpu_has_fast_bf16
 # thread) int4 was faster up to 12 tokens (90 vs 139 ms for the 120 layers) and slower from
 # 16 (151 vs 119 ms); against the plain column-major product (round 2) it had been up to 16.
 # On AVX512-BF16 against oneDNN's packed bf16 product (RESULTS "B2 CPU, round 8", the same bench
-# with --kinds dnnbf int4bf): int4 7.4 against 21.8 ms at 1 row, 11.9 against 16.6 at 4, 24.8
-# against 26.1 at 8, 46.8 against 31.1 at 16.
-MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 8}
+# with --kinds dnnbf int4bf, two runs): int4 7.4 / 9.4 against 21.8 / 22.3 ms at 1 row, 11.9
+# against 16.6 at 4, 20.6 against 16.1 at 6, 24.8 / 22.5 against 26.1 / 19.8 at 8, 46.8 against
+# 31.1 at 16.
+MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
