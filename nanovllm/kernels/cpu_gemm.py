@@ -10,9 +10,9 @@ product, bound by memory) the column-major weight with `F.linear` stays faster
 (kernels/cpu_linear.py), so both are kept: the packed copy costs the weight's bytes again.
 
 bf16 weights are packed too where the CPU multiplies bf16 fast (AVX512-BF16, AMX:
-utils/device.py), the only CPUs whose engines run bf16 by default; there `F.linear` also
-reaches oneDNN, but re-blocks the weight on every call, which the packed copy skips
-(PACKED_MIN_ROWS_BF16 has the figures). The values differ from `F.linear`'s by rounding
+utils/device.py), the only CPUs whose engines run bf16 by default: there the packed product
+was faster than `F.linear` on the bf16 weight at every row count (PACKED_MIN_ROWS_BF16 has the
+figures). The values differ from `F.linear`'s by rounding
 (another summation order), as any two gemm kernels do.
 """
 import functools
