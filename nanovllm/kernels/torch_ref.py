@@ -97,10 +97,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     q_len, k_len = q.shape[0], k.shape[0]
     q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
     mask = torch.arange(k_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, k_len]
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, len, d]
-    if q.device.type == "cpu":  # (the CPU's prefill path; elsewhere only the GPU kernels' reference)
-        # 4-D: torch's fused CPU kernel (flash) takes only 4-D inputs; 3-D ones run the math backend
-        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                              enable_gqa=True)[0].transpose(0, 1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=True)
     return o.transpose(0, 1)
