@@ -13,9 +13,12 @@ with each kernel:
 - int8dyn: FBGEMM's dynamic int8 linear, per-token activation scales, inputs Hadamard-rotated
   (kernels/cpu_int8_dynamic.py; head too); int8dyn_t: the same with FBGEMM's own per-tensor
   activation scale; int8dyn_norot: per token without the rotation
+- colbf, dnnbf: `col` and `dnn` in bf16 (weights and activations), what the engine's dense
+  products run where bf16 is fast (AVX512-BF16, AMX: utils/device.py); int4bf: int4 with
+  its head by colbf; int8bf: `int8` on bf16 activations with no casts around it
 
 The kernels alternate within each repeat, so a busy machine slows all of them alike;
-medians are printed. fp32 everywhere else.
+medians are printed. fp32 everywhere else (the *bf kinds: bf16 activations in, bf16 out).
 
     python benchmarks/bench_cpu_gemm.py --threads 1 --rows 1 2 4 16 64 --kinds col dnn int4 int8
     python benchmarks/bench_cpu_gemm.py --threads 1 --rows 2 3 4 8 12 16 64 256 --kinds dnn int4 int8dyn --per-shape
@@ -59,6 +62,19 @@ def prepare(kind: str, weights: list[torch.Tensor], head: torch.Tensor):
     if kind == "int4":
         packs = [cpu_int4.pack_int4(*cpu_int4.quantize_affine(w), torch.bfloat16) for w in weights]
         return packs, cpu_gemm.pack(head), lambda x, w: cpu_int4.int4_linear(x, *w) if isinstance(w, tuple) else _dnn(x, w)
+    if kind in ("colbf", "dnnbf", "int4bf", "int8bf"):
+        bf = [w.to(torch.bfloat16) for w in weights]
+        col = lambda w: w.t().contiguous().t()  # noqa: E731
+        if kind == "colbf":
+            return [col(w) for w in bf], col(head.to(torch.bfloat16)), F.linear
+        if kind == "dnnbf":
+            return [cpu_gemm.pack(w) for w in bf], cpu_gemm.pack(head.to(torch.bfloat16)), _dnn
+        if kind == "int4bf":
+            packs = [cpu_int4.pack_int4(*cpu_int4.quantize_affine(w), torch.bfloat16) for w in weights]
+            return packs, col(head.to(torch.bfloat16)), lambda x, w: (
+                cpu_int4.int4_linear(x, *w) if isinstance(w, tuple) else F.linear(x, w))
+        q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*cpu_int8_dynamic.quantize_per_channel(w))  # noqa: E731
+        return [q8(w) for w in weights], q8(head), lambda x, w: torch.ops.aten._weight_int8pack_mm(x, *w)
     if kind == "int8":
         q8 = lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*cpu_int8_dynamic.quantize_per_channel(w))  # noqa: E731
         return [q8(w) for w in weights], q8(head), _int8
@@ -99,11 +115,13 @@ def main(argv=None) -> None:
                   threads=torch.get_num_threads(), load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                   ms={})
     for rows in args.rows:
-        xs = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in LAYER_SHAPES}}
+        xs32 = {k: torch.randn(rows, k, generator=gen) for k in {s[1] for s in LAYER_SHAPES}}
+        xsbf = {k: v.to(torch.bfloat16) for k, v in xs32.items()}
         times = {k: ([], []) for k in kinds}
         shapes = {k: {s: [] for s in LAYER_SHAPES} for k in kinds}
         for _ in range(args.repeats):
             for kind, (ws, hw, fn) in kinds.items():
+                xs = xsbf if kind.endswith("bf") else xs32
                 start = time.perf_counter()
                 per = dict.fromkeys(LAYER_SHAPES, 0.0)
                 for w, shape in zip(ws, LAYER_SHAPES * NUM_LAYERS):

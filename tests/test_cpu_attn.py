@@ -142,47 +142,58 @@ def test_fp8_cache_in_engine_layout_equals_its_dequantized_values(dtype):
 
 def _layer_step(k_cache, v_cache, tables, seq_lens, q_lens, gen, num_heads=4):
     """One layer's work in an engine step: store this step's K/V, then attend; returns ours and
-    the reference's output over the same cache."""
+    the reference's output over the same cache (in fp32, on the same values, for a bf16 cache)."""
     kv_heads, d, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n - q, n) for n, q in zip(seq_lens, q_lens)])
     rows = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
     slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
-    key, value = torch.randn(len(slots), kv_heads, d, generator=gen), torch.randn(len(slots), kv_heads, d, generator=gen)
+    dtype = k_cache.dtype
+    key = torch.randn(len(slots), kv_heads, d, generator=gen).to(dtype)
+    value = torch.randn(len(slots), kv_heads, d, generator=gen).to(dtype)
     cpu_attn.store_kvcache(key, value, k_cache, v_cache, slots)
-    q = torch.randn(int(cu[-1]), num_heads, d, generator=gen)
+    q = torch.randn(int(cu[-1]), num_heads, d, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     ours = cpu_attn.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.3, max_seqlen_k=max(seq_lens))
-    return ours, torch_ref.paged_attention(q, k_cache, v_cache, cu, lens, tables, 0.3)
+    ref = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, lens, tables, 0.3)
+    return ours.float(), ref
 
 
-def _engine_caches(num_blocks, block_size=4, kv_heads=2, d=8):
-    caches = cpu_attn.new_kv_cache((num_blocks, block_size, kv_heads, d), torch.float32, torch.device("cpu"))
+def _engine_caches(num_blocks, block_size=4, kv_heads=2, d=8, dtype=torch.float32):
+    caches = cpu_attn.new_kv_cache((num_blocks, block_size, kv_heads, d), dtype, torch.device("cpu"))
     for c in caches:
         c.fill_(float("nan"))  # what an unwritten cache may hold
     return caches
 
 
-def test_decode_steps_through_the_mirror_match_the_reference(monkeypatch):
+FAST_BF16 = __import__("nanovllm.utils.device", fromlist=["x"]).cpu_has_fast_bf16()
+# bf16 K/V, queries and probabilities against the fp32 reference on the same values: a few 2^-8 steps
+MIRROR_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not FAST_BF16, reason="bf16 decode attention by products runs only where the CPU multiplies bf16 fast"))])
+def test_decode_steps_through_the_mirror_match_the_reference(monkeypatch, dtype):
     """Prefill, then decode steps that cross block boundaries, one sequence ending (the batch
     shrinks: a rebuild), then growth again: every step equals the reference, and the steps after
-    a batch lasted one step read the mirror."""
+    a batch lasted one step read the mirror (in bf16: its whole buffers, the zero tail masked)."""
     from nanovllm.kernels import cpu_decode_mirror
     appended = []
     append = cpu_decode_mirror.append
     monkeypatch.setattr(cpu_decode_mirror, "append", lambda *args: appended.append(1) or append(*args))
     gen = torch.Generator().manual_seed(3)
-    k_cache, v_cache = _engine_caches(64)
+    k_cache, v_cache = _engine_caches(64, dtype=dtype)
+    tol = MIRROR_TOL[dtype]
     tables = torch.tensor([[0, 5, 9, 2, 7, 11], [3, 4, 1, 6, 8, 10], [12, 13, 14, 15, 16, 17]], dtype=torch.int32)
     lens = [6, 3, 9]
     ours, ref = _layer_step(k_cache, v_cache, tables, lens, lens, gen)  # prefill
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
     for step in range(10):
         if step == 5:  # the second sequence ends
             tables, lens = tables[[0, 2]], [lens[0], lens[2]]
         lens = [n + 1 for n in lens]
         ours, ref = _layer_step(k_cache, v_cache, tables, lens, [1] * len(lens), gen)
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours, ref, rtol=tol, atol=tol)
     assert len(appended) == 6  # all but the first two decode steps of each batch (gathered; mirrored at the second)
 
 
@@ -212,3 +223,21 @@ def test_no_mirror_where_it_would_outgrow_the_paged_cache():
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     mirror = cpu_decode_mirror._mirror_of(k_cache)
     assert mirror.k is None and not mirror.held
+
+
+@pytest.mark.skipif(not __import__("nanovllm.utils.device", fromlist=["x"]).cpu_has_fast_bf16(),
+                    reason="the bf16 products path runs only where the CPU multiplies bf16 fast")
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
+def test_bf16_decode_by_products_matches_fp32_reference(num_heads, num_kv_heads):
+    """bf16 decode attention (two batched products around an fp32 softmax on AVX512-BF16 / AMX)
+    equals the fp32 reference on the same bf16 values to bf16 rounding."""
+    seq_lens = [1, 16, 17, 40, 5, 33]
+    q, k_cache, v_cache, *rest = _paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads,
+                                             layout="heads_major")
+    q, k_cache, v_cache = (t.bfloat16() for t in (q, k_cache, v_cache))
+    expected = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), *rest, scale=0.25)
+    ours = cpu_attn.paged_attention(q, k_cache, v_cache, *rest, scale=0.25)
+    assert ours.dtype == torch.bfloat16
+    # bf16 outputs (|o| < ~1) and bf16 probabilities: off by a few 2^-8 steps; a wrong mask or
+    # head mapping is off by ~0.1-1
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)

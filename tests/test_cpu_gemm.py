@@ -69,3 +69,48 @@ def test_engine_packs_dense_layers_and_keeps_greedy_ids(tiny_model, monkeypatch)
         if ours != ref:  # fp32 rounding may flip a near-tie: both must rank the other's token top-5
             i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
             assert ref[i] in our_tops[i] and ours[i] in ref_tops[i], (i, ours, ref)
+
+
+bf16_packs = pytest.mark.skipif(not cpu_gemm.packs(torch.bfloat16),
+                                reason="bf16 weights are packed only where the CPU multiplies bf16 fast")
+# bf16 output (8 bits of mantissa) of 160-term sums of N(0, 1) products (|y| ~ 13): a relative
+# step of 2^-8 (4e-3), so up to ~0.05 off where |y| is large; a wrong weight is off by ~10
+BF16_RTOL, BF16_ATOL = 1e-2, 0.1
+
+
+@bf16_packs
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_packed_bf16_product_matches_fp64(rows):
+    """bf16 weights and activations through the packed copy: the fp64 product of the same bf16
+    values, to bf16 rounding of the output; the dense weight dropped, for one row too."""
+    gen = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(96, 160, generator=gen).bfloat16(), torch.randn(rows, 160, generator=gen).bfloat16()
+    bias = torch.randn(96, generator=gen).bfloat16()
+    ref = x.double() @ w.double().t() + bias.double()
+    for weight in (w, None):
+        y = cpu_gemm.dense_linear(x, weight, bias, cpu_gemm.pack(w))
+        assert y.shape == (rows, 96) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), ref, rtol=BF16_RTOL, atol=BF16_ATOL)
+
+
+@bf16_packs
+def test_bf16_engine_packs_dense_layers_and_keeps_greedy_ids(tiny_model, monkeypatch):
+    """A bf16 engine packs every dense layer and its LM head; its greedy ids equal those of the
+    same engine's plain `F.linear` products (dense weights kept by a huge PACKED_MIN_ROWS_BF16 at
+    load, then the packed product switched on and off), or part only at a near-tie."""
+    from nanovllm import LLM
+    from nanovllm.layers.linear import LinearBase
+    path, _ = tiny_model("llama")
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS_BF16", 1 << 30)  # keep the dense weights beside
+    llm = LLM(path, device="cpu", dtype="bfloat16", max_model_len=64, num_kvcache_blocks=32, skip_tokenizer_init=True)
+    model = llm.llm_engine.model_runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)] + [model.lm_head]
+    assert all(m.weight is not None and m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    prompts = [[5 + i, 17, 3 * i + 2, 9] for i in range(6)]
+    plain = _ids_and_tops(llm, prompts)
+    monkeypatch.setattr(cpu_gemm, "PACKED_MIN_ROWS_BF16", 1)
+    packed = _ids_and_tops(llm, prompts)
+    for (ours, our_tops), (ref, ref_tops) in zip(packed, plain):
+        if ours != ref:  # bf16 rounding may flip a near-tie: both must rank the other's token top-5
+            i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            assert ref[i] in our_tops[i] and ours[i] in ref_tops[i], (i, ours, ref)

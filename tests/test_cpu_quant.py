@@ -107,16 +107,23 @@ def test_embedded_model_layers_are_packed(engines):
 
 
 def test_int4_layers_keep_no_dense_weight(engines):
-    """Batches past int4's rows run the oneDNN-packed copy, so the dense fp32 weight is dropped
-    (only where that copy exists); the dequantized engine keeps every dense weight."""
+    """Batches past int4's rows run the oneDNN-packed copy, so the dense weight is dropped (only
+    where that copy exists); the dequantized engine keeps its dense weights where small batches
+    read them (fp32: below cpu_gemm.PACKED_MIN_ROWS) and only the packed copies where the packed
+    product takes every batch (bf16 on AVX512-BF16: cpu_gemm.PACKED_MIN_ROWS_BF16)."""
+    from nanovllm.kernels import cpu_gemm
     from nanovllm.layers.linear import LinearBase
     quantized, dequantized = engines
     layers = [m for m in quantized.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
-    if not any(hasattr(m, "packed_weight") for m in layers):  # bf16 engines (AVX512-BF16) pack nothing
-        pytest.skip("no fp32 packed copy on this machine: the dense weight serves the large batches")
+    if not any(hasattr(m, "packed_weight") for m in layers):
+        pytest.skip("oneDNN packs nothing here: the dense weight serves the large batches")
     assert len(layers) == 30 * 4 and all(m.weight is None and m.packed_weight is not None for m in layers)
-    model = dequantized.llm_engine.model_runner.model
-    assert all(m.weight is not None for m in model.modules() if isinstance(m, LinearBase))
+    dense = [m for m in dequantized.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+    dtype = dequantized.llm_engine.model_runner.dtype
+    if cpu_gemm.packed_min_rows(dtype) > 1:
+        assert all(m.weight is not None for m in dense)
+    else:
+        assert all(m.weight is None and m.packed_weight.dtype == dtype for m in dense)
 
 
 def test_int4_greedy_ids_match_dequantized(engines):
@@ -181,7 +188,7 @@ def test_int_quantized_layer_is_within_half_a_step(method):
     layer.bias.weight_loader(layer.bias, b)
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.quant_method.packed is not None
-    x = torch.randn(4, 128, generator=gen)
+    x = torch.randn(layer.quant_method.max_rows, 128, generator=gen)  # the largest batch the kernel runs
     ref = x.double() @ w.double().t() + b.double()
     # worst case: each weight off by half its step, each activation by bf16's rounding
     step = (w.abs().amax(1, keepdim=True) / 127 if method == "int8" else

@@ -18,7 +18,9 @@ price against the LM head's 113 MB read per decode step.
 
 Each of those dense fp32 weights also gets a oneDNN-packed copy (`packed_weight`, an
 attribute of the layer, not a parameter), which products of 3 rows and more run on:
-faster than either layout there (kernels/cpu_gemm.py has the figures). The copy is made
+faster than either layout there (kernels/cpu_gemm.py has the figures). Where the engine
+runs bf16 (CPUs with fast bf16: AVX512-BF16, AMX) its bf16 weights are packed too, and
+the packed product takes every row count there, one row included. The copy is made
 once, after loading: code that changed a weight later would have to pack it again
 (nothing in the engine does).
 
@@ -42,23 +44,25 @@ from nanovllm.layers.linear import LinearBase
 
 def use_column_major_weights(model: nn.Module) -> None:
     """Re-lay the dense weight of every linear layer and of the LM head column-major, in place,
-    and give each fp32 one its oneDNN-packed copy (`module.packed_weight`); drop the dense
-    weight of a layer whose batches all run its own kernel or the packed copy."""
+    and give each fp32 one (bf16 where the CPU multiplies bf16 fast) its oneDNN-packed copy
+    (`module.packed_weight`); drop the dense weight of a layer whose batches all run its own
+    kernel or the packed copy (a tied LM head's is the embedding's: kept, in its row-major
+    layout, which the embedding's row lookups read fastest)."""
     done = set()
-    pack = cpu_gemm.can_pack()
     for module in model.modules():
         dense = isinstance(module, ParallelLMHead) or (isinstance(module, LinearBase)
                                                         and module.quant_method.is_dense)
         if not dense:
             continue
-        packs = pack and module.weight.dtype == torch.float32
+        packs, packed_from = cpu_gemm.packs(module.weight.dtype), cpu_gemm.packed_min_rows(module.weight.dtype)
         own, int8_from = _own_rows(module)
-        packed_read = packs and max(own + 1, cpu_gemm.PACKED_MIN_ROWS) < int8_from
-        dense_read = own + 1 < (min(cpu_gemm.PACKED_MIN_ROWS, int8_from) if packed_read else int8_from)
+        packed_read = packs and max(own + 1, packed_from) < int8_from
+        dense_read = own + 1 < (min(packed_from, int8_from) if packed_read else int8_from)
         if packed_read:
             module.packed_weight = cpu_gemm.pack(module.weight.data)
-        if not dense_read and not isinstance(module, ParallelLMHead):  # the head's is the embedding's too
-            module.weight = None  # every batch: the method's own kernel, the int8 or the packed copy
+        if not dense_read:  # every batch: the method's own kernel, the int8 or the packed copy
+            if not isinstance(module, ParallelLMHead):  # the head's is the embedding's too
+                module.weight = None
             continue
         if id(module.weight) not in done:
             done.add(id(module.weight))

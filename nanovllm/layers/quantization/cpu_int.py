@@ -4,8 +4,8 @@
 output channel and group of 32 inputs (asymmetric, round to nearest: kernels/cpu_int4.py),
 run by `_weight_int4pack_mm_for_cpu`. `quantization="int8"`: symmetric int8 with one scale
 per output channel, run by `_weight_int8pack_mm`. Both kernels run in bf16 (activations
-and scales); the layer keeps its dense weight for batches past `max_int4_rows` tokens,
-where the dense product is faster (layers/quantization/gguf.py has the crossover). The
+and scales); batches past `max_rows` tokens run the dense product, which is faster there
+(MAX_INT4_ROWS in layers/quantization/gguf.py, MAX_INT8_ROWS here: per CPU kind). The
 token embedding and the LM head stay dense. Off the CPU, or for a shape the kernel cannot
 take, a layer stays dense.
 
@@ -22,11 +22,20 @@ from nanovllm.layers.quantization.base import LinearMethod, QuantizationConfig, 
 from nanovllm.layers.quantization.gguf import MAX_INT4_ROWS
 from nanovllm.utils.device import cpu_has_fast_bf16
 
+# Token counts up to which `_weight_int8pack_mm` (bf16) beats the dense product, per CPU kind. On
+# AVX2 int8 takes int4's figure (MAX_INT4_ROWS; not measured apart). On AVX512-BF16, against
+# oneDNN's packed bf16 product (benchmarks/bench_cpu_gemm.py --kinds dnnbf int8bf, one thread;
+# RESULTS "B2 CPU, round 8"; SmolLM2's 120 layers): 15.4 against 21.8 ms at 1 row, 23.5 against
+# 22.4 at 2, 22.2 against 16.6 at 4.
+MAX_INT8_ROWS = {"avx2": MAX_INT4_ROWS["avx2"], "avx512_bf16": 1}
+
+
 class _CPUIntConfig(QuantizationConfig):
     bits = 0
 
     def __init__(self):
-        self.max_rows = MAX_INT4_ROWS["avx512_bf16" if cpu_has_fast_bf16() else "avx2"]
+        kind = "avx512_bf16" if cpu_has_fast_bf16() else "avx2"
+        self.max_rows = (MAX_INT4_ROWS if self.bits == 4 else MAX_INT8_ROWS)[kind]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "_CPUIntConfig":

@@ -12,9 +12,9 @@ embedding and the tied LM head are not linear layers: they stay dense (dequantiz
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
 is used when the engine's dtype is "auto" or "bfloat16"; `dtype="float32"` asks for fp32
 products and gets every weight dequantized (exact), as does `quantization="gguf_dequant"`.
-Batches of more than `max_int4_rows` tokens (prefill, large decode batches) run on the
-dense weight, which the layer keeps: there the dense product is faster (the crossover is
-measured per CPU kind, benchmarks/RESULTS.md "B2 CPU, round 2").
+Batches of more than `max_int4_rows` tokens (prefill, large decode batches) run the dense
+product (oneDNN's packed copy of the dequantized weight: kernels/cpu_gemm.py), which is
+faster there (the crossover is measured per CPU kind: MAX_INT4_ROWS).
 """
 import functools
 
@@ -32,8 +32,11 @@ from nanovllm.utils.device import cpu_has_fast_bf16
 # the oneDNN-packed fp32 product (kernels/cpu_gemm.py; benchmarks/bench_cpu_gemm.py, one
 # thread) int4 was faster up to 12 tokens (90 vs 139 ms for the 120 layers) and slower from
 # 16 (151 vs 119 ms); against the plain column-major product (round 2) it had been up to 16.
-# AVX512-BF16 (dense bf16) has not been measured here yet: it takes the round-2 figure.
-MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 16}
+# On AVX512-BF16 against oneDNN's packed bf16 product (RESULTS "B2 CPU, round 8", the same bench
+# with --kinds dnnbf int4bf, two runs): int4 7.4 / 9.4 against 21.8 / 22.3 ms at 1 row, 11.9
+# against 16.6 at 4, 20.6 against 16.1 at 6, 24.8 / 22.5 against 26.1 / 19.8 at 8, 46.8 against
+# 31.1 at 16.
+MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
