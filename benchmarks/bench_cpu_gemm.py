@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import cpu_gemm, cpu_int4, cpu_int8_dynamic  # noqa: E402
-from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
+from nanovllm.utils.device import cpu_kind  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in] of one decoder layer
 NUM_LAYERS, HEAD_SHAPE = 30, (49152, 576)
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     weights = [torch.randn(*s, generator=gen) * 0.02 for _ in range(NUM_LAYERS) for s in LAYER_SHAPES]
     head = torch.randn(*HEAD_SHAPE, generator=gen) * 0.02
     kinds = {k: prepare(k, weights, head) for k in args.kinds}
-    result = dict(bench="cpu_gemm", cpu_kind="avx512_bf16" if cpu_has_fast_bf16() else "avx2",
+    result = dict(bench="cpu_gemm", cpu_kind=cpu_kind(),
                   threads=torch.get_num_threads(), load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                   ms={})
     for rows in args.rows:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm import LLM  # noqa: E402
 from nanovllm.kernels import cpu_int4  # noqa: E402
 from nanovllm.layers.quantization.gguf import GGUFLinearMethod  # noqa: E402
-from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
+from nanovllm.utils.device import cpu_kind  # noqa: E402
 
 
 def packed_layers(llm) -> list:
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     llm = LLM(max_model_len=256)
     layers = packed_layers(llm)
-    result = dict(bench="cpu_quant", cpu_kind="avx512_bf16" if cpu_has_fast_bf16() else "avx2",
+    result = dict(bench="cpu_quant", cpu_kind=cpu_kind(),
                   threads=torch.get_num_threads(), load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                   packed_layers=len(layers), dense_dtype=str(layers[0].weight.dtype).removeprefix("torch."),
                   int4_rel_error=round(int4_error(layers), 5), steps_ms={})

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from nanovllm.kernels import cpu_attn, step_memo, torch_ref
+from nanovllm.utils.device import cpu_has_fast_bf16
 
 
 def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=16, seed=0, layout="contiguous"):
@@ -166,7 +167,7 @@ def _engine_caches(num_blocks, block_size=4, kv_heads=2, d=8, dtype=torch.float3
     return caches
 
 
-FAST_BF16 = __import__("nanovllm.utils.device", fromlist=["x"]).cpu_has_fast_bf16()
+FAST_BF16 = cpu_has_fast_bf16()
 # bf16 K/V, queries and probabilities against the fp32 reference on the same values: a few 2^-8 steps
 MIRROR_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -225,7 +226,7 @@ def test_no_mirror_where_it_would_outgrow_the_paged_cache():
     assert mirror.k is None and not mirror.held
 
 
-@pytest.mark.skipif(not __import__("nanovllm.utils.device", fromlist=["x"]).cpu_has_fast_bf16(),
+@pytest.mark.skipif(not FAST_BF16,
                     reason="the bf16 products path runs only where the CPU multiplies bf16 fast")
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
 def test_bf16_decode_by_products_matches_fp32_reference(num_heads, num_kv_heads):

@@ -26,6 +26,12 @@ def cpu_has_fast_bf16() -> bool:
     return any(flag in flags for flag in FAST_BF16_CPU_FLAGS)
 
 
+def cpu_kind() -> str:
+    """The CPU kind the measured per-kind choices are keyed by (kernel crossovers such as
+    MAX_INT4_ROWS): "avx512_bf16" where bf16 products are fast (AVX512-BF16 or AMX), else "avx2"."""
+    return "avx512_bf16" if cpu_has_fast_bf16() else "avx2"
+
+
 def resolve_dtype(dtype: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
     """"auto": the model's dtype on GPU (fp32 checkpoints run in bf16); on CPU bf16 where
     the CPU multiplies bf16 fast, else fp32."""

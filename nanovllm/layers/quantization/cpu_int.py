@@ -20,7 +20,7 @@ from nanovllm.kernels import cpu_int4, cpu_int8_dynamic
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 from nanovllm.layers.quantization.gguf import MAX_INT4_ROWS
-from nanovllm.utils.device import cpu_has_fast_bf16
+from nanovllm.utils.device import cpu_kind
 
 # Token counts up to which `_weight_int8pack_mm` (bf16) beats the dense product, per CPU kind. On
 # AVX2 int8 takes int4's figure (MAX_INT4_ROWS; not measured apart). On AVX512-BF16, against
@@ -34,8 +34,7 @@ class _CPUIntConfig(QuantizationConfig):
     bits = 0
 
     def __init__(self):
-        kind = "avx512_bf16" if cpu_has_fast_bf16() else "avx2"
-        self.max_rows = (MAX_INT4_ROWS if self.bits == 4 else MAX_INT8_ROWS)[kind]
+        self.max_rows = (MAX_INT4_ROWS if self.bits == 4 else MAX_INT8_ROWS)[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "_CPUIntConfig":

@@ -25,7 +25,7 @@ from nanovllm.kernels import cpu_int4
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                                set_shard_tags)
-from nanovllm.utils.device import cpu_has_fast_bf16
+from nanovllm.utils.device import cpu_kind
 
 # Token counts up to which the int4 kernel beats the dense product, per CPU kind, measured
 # on SmolLM2-135M's layer shapes (benchmarks/RESULTS.md "B2 CPU, round 3"): on AVX2 against
@@ -46,7 +46,7 @@ class GGUFConfig(QuantizationConfig):
 
     def __init__(self):
         self.packed = True
-        self.max_int4_rows = MAX_INT4_ROWS["avx512_bf16" if cpu_has_fast_bf16() else "avx2"]
+        self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
