@@ -65,8 +65,8 @@ counts, head size, block size, dtype, cache dtype: an fp8 cache has its own deco
 DECODE_FP8_*; the prefill tile PREFILL_* or, with PREFILL_LARGE_TILE, PREFILL_LARGE_* for a
 16-bit cache on Hopper or later) the attention kernel has 4, decode or prefill tiles times split or not
 (`IS_SPLIT`; the split count itself is a run-time argument), the combine kernel 1, the
-store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead. The cache layout is fixed when the cache is allocated, so the strides
-Triton specializes on (a unit stride) are the same for every launch. The block-table width
+store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead.
+The cache layout is fixed when the cache is allocated, so the strides Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
 import torch
@@ -74,7 +74,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma
-from nanovllm.kernels.triton_paged_tiles import load_kv_tile
+from nanovllm.kernels.triton_paged_tiles import load_kv_tile, split_tile_range
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
@@ -299,8 +299,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
-                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
+                     stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -309,8 +309,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])                                       # [BLOCK_M, BLOCK_N]
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
-                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
+                     stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     l_i = l_i * alpha + tl.sum(p, 1)
     if PV_MMA:  # acc is O^T [HEAD_DIM_PAD, BLOCK_M]: V^T P^T on the fp8 tensor cores
         p8 = (p * P_FP8_SCALE).to(v.dtype)                                 # [BLOCK_M, BLOCK_N] e4m3
@@ -336,8 +336,8 @@ def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
     softmax, key and query row scales). K and V stay e4m3."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
-                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+                     stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
     s_t = tl.dot(k, q_t) * scale_log2                                     # [BLOCK_N, BLOCK_M] fp32
     if MASKED:
         s_t = tl.where(positions[:, None] <= q_pos[None, :], s_t, float("-inf"))
@@ -346,8 +346,8 @@ def _attend_kv_tile_fp8_mma(acc_t, m_i, l_i, q_t, q_pos, tile, ctx_len, kv_head,
     p_t = tl.exp2(s_t - m_new[None, :])                                   # [BLOCK_N, BLOCK_M]
     l_i = l_i * alpha + tl.sum(p_t, 0)
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
-                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
+                     stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED)                                   # [BLOCK_N, D] e4m3
     pv_t = tl.dot(tl.trans(v), (p_t * P_FP8_SCALE).to(q_t.dtype))        # [D, BLOCK_M] fp32
     return acc_t * alpha[None, :] + pv_t, m_new, l_i
 
@@ -420,12 +420,8 @@ def _unified_attention_kernel(
     # KV tiles this program covers, and how many of them every row sees whole.
     first_pos = ctx_len - q_len + q_block * BLOCK_Q
     kv_end = tl.minimum(first_pos + BLOCK_Q, ctx_len)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    full_end = tl.minimum((first_pos + 1) // BLOCK_N, tile_end)
-    masked_begin = tl.maximum(tile_begin, full_end)
+    tile_begin, full_end, masked_begin, tile_end = split_tile_range(kv_end, first_pos + 1, split, num_splits,
+                                                                    BLOCK_N)
 
     m_i = tl.full([BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -665,11 +661,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seqlen_q = num_tokens - num_seqs + 1
     qpk = num_heads // num_kv_heads
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
-    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
-                       _large_prefill_tile(q.device, q.dtype, kv_fp8))
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
+    cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
+                       _large_prefill_tile(q.device, q.dtype, kv_fp8))
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,

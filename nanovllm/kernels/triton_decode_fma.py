@@ -9,22 +9,24 @@ transposed) is where its time goes, and it reads the cache at about half the cop
 
 Here each K/V tile is converted to fp32 in the registers it was loaded into and used there:
 s = sum_d q[h, d] * k[n, d] and o[h, d] += sum_n p[h, n] * v[n, d] are multiply-adds over the
-loaded layout plus reductions across the threads that share a row. Per KV byte that is a
-few instructions (one conversion, two multiply-adds per query head), which the CUDA cores
-issue faster than HBM delivers an fp8 cache; nothing goes through shared memory except the
-reductions Triton places there when a tile spans several warps (one warp per program avoids
-them: DECODE_FMA_NUM_WARPS).
+loaded layout plus reductions across the threads that share a row; nothing goes through
+shared memory except the reductions Triton places there when a tile spans several warps (one
+warp per program avoids them: DECODE_FMA_NUM_WARPS). Over B1's fp8 decode batches on an H200
+it read the cache at 0.61 of copy bandwidth against the tensor-core tile's 0.56; its machine
+code spends a 32-key tile on 498 FFMA, 384 conversions (1.5 a value) and 268 SHFL and FADD
+(mostly the reductions; benchmarks/RESULTS.md "Twelfth session").
 
 Same arguments and semantics as `triton_attn.paged_attention` for a decode-only batch (one
 query per sequence; a sequence with none writes nothing), split-KV included: a split writes
 its partial output and log2-sum-exp into the caller's workspace, combined by `triton_attn`'s
 combine kernel. Any cache dtype: fp8 (per-KV-head scales folded in as in `triton_attn`) or
-16-bit; fp32 accumulation throughout. Variants: per model and cache dtype, times split or not.
+16-bit; fp32 accumulation (with DECODE_FMA_PV_FP16, off, a tile's P V is summed in fp16
+first). Variants: per model and cache dtype, times split or not.
 """
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_paged_tiles import load_kv_tile
+from nanovllm.kernels.triton_paged_tiles import load_kv_tile, split_tile_range
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
@@ -128,7 +130,8 @@ def decode_fma_kernel(
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr):
     """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
     query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
-    more than two query heads reads its K/V once per pair (the second read mostly from L2)."""
+    more than two query heads reads its K/V once per pair (for groups of 4, B1 on the Qwen3-8B
+    shape ran slower than with the tensor-core tile: triton_attn.DECODE_FMA_MAX_GROUP)."""
     pairs = tl.cdiv(QPK, HEADS_PER_PROGRAM)
     seq = tl.program_id(1)
     kv_head = tl.program_id(0) // (pairs * num_splits)
@@ -147,12 +150,8 @@ def decode_fma_kernel(
     q0 = _load_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
     q1 = _load_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
 
-    num_tiles = tl.cdiv(ctx_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
-    full_end = tl.minimum(ctx_len // BLOCK_N, tile_end)   # tiles wholly inside the context
-    masked_begin = tl.maximum(tile_begin, full_end)
+    # one query at the context's end: it sees every key, so only the last tile is masked
+    tile_begin, full_end, masked_begin, tile_end = split_tile_range(ctx_len, ctx_len, split, num_splits, BLOCK_N)
     m0 = tl.full((), RUNNING_MAX_INIT, dtype=tl.float32)
     m1 = m0
     l0 = tl.zeros((), dtype=tl.float32)

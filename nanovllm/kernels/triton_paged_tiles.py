@@ -1,5 +1,6 @@
-"""The gather of one K or V tile of a paged cache through a sequence's block table: the one
-memory access pattern the attention kernels (`triton_attn`, `triton_decode_fma`) share."""
+"""What the attention kernels (`triton_attn`, `triton_decode_fma`) share about a paged cache:
+the gather of one K or V tile through a sequence's block table, and which KV tiles one split
+of a context covers."""
 import triton
 import triton.language as tl
 
@@ -35,3 +36,17 @@ def load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
             mask = mask & pos_ok[:, None]
         tile = tl.load(ptrs, mask=mask, other=0.0)
     return tile
+
+
+@triton.jit
+def split_tile_range(kv_end, seen_by_all, split, num_splits, BLOCK_N: tl.constexpr):
+    """The KV tiles of `split` (of `num_splits` equal shares of the tiles below key `kv_end`):
+    (tile_begin, full_end, masked_begin, tile_end). Tiles [tile_begin, full_end) lie wholly
+    below `seen_by_all`, the keys every query row of the program sees, and run unmasked;
+    [masked_begin, tile_end) are the rest, run masked."""
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_begin = split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    full_end = tl.minimum(seen_by_all // BLOCK_N, tile_end)
+    return tile_begin, full_end, tl.maximum(tile_begin, full_end), tile_end
