@@ -8,12 +8,15 @@ otherwise (max_num_batched_tokens 8192: the prompt prefills in chunks). Measures
   against the floor its bytes allow: per step the weights and the whole K/V so far, over
   the copy bandwidth measured in the same run;
 - the attention kernel alone on that decode (28 layers' worth, CUDA-graph replays) at
-  several split-KV factors, so the split policy can be read off (`--splits`);
+  several split-KV factors, so the split policy can be read off (`--splits`), once per
+  set of kernel constants in `--sweep-constants`;
 - with `--tile-sweep`, the attention kernel alone at other tile shapes (the module's tile
   constants set for the measurement, then restored): the decode above, and the prefill of
-  the prompt's last 8192-token chunk over its 23,808 cached tokens, with its TFLOP/s.
+  the prompt's last 8192-token chunk over its 23,808 cached tokens, with its TFLOP/s;
+- with `--profile`, GPU time by kernel over the same decode run again (its prompt then
+  comes from the prefix cache, so the table is the decode's: divide by its steps).
 
-    python benchmarks/bench_long_context.py [--tile-sweep]
+    python benchmarks/bench_long_context.py [--tile-sweep] [--profile]
 """
 import argparse
 import json
@@ -27,7 +30,7 @@ from random import randint, seed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, set_attn_constants  # noqa: E402
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_attn_constants  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
@@ -46,20 +49,22 @@ def decode_floor_s(cfg: dict, context: int, tokens: int, bandwidth: float, dtype
     return sum(weights + (context + t) * kv_per_token for t in range(tokens)) / bandwidth
 
 
-def attention_split_sweep(cfg: dict, context: int, splits: list[int]) -> dict:
-    """ms of one decode's attention (all layers) at each split factor, and its bytes floor."""
+def attention_split_sweep(cfg: dict, context: int, splits: list[int], constants: dict | None = None) -> dict:
+    """ms of one decode's attention (all layers) at each split factor, and its bytes floor,
+    with kernels/triton_attn.py's constants set to `constants` (another kernel or tile)."""
     import triton
     from nanovllm.kernels import triton_attn
     decode = _paged_inputs(cfg, context - 1, 1)
     out = {}
-    for n in splits:
-        fn = lambda: triton_attn.paged_attention(**decode, num_splits=n or None)  # noqa: E731
-        fn()
-        ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-        out[str(n or "policy")] = round(cfg["num_hidden_layers"] * ms, 3)
+    with tile_constants(triton_attn, **(constants or {})):
+        for n in splits:
+            fn = lambda: triton_attn.paged_attention(**decode, num_splits=n or None)  # noqa: E731
+            fn()
+            ms = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+            out[str(n or "policy")] = round(cfg["num_hidden_layers"] * ms, 3)
     k = decode["k_cache"]
     floor_ms = cfg["num_hidden_layers"] * 2 * k.numel() * k.element_size() / copy_bandwidth() * 1e3
-    return {"attention_ms_by_splits": out, "attention_floor_ms": round(floor_ms, 3),
+    return {"constants": constants or {}, "attention_ms_by_splits": out, "attention_floor_ms": round(floor_ms, 3),
             "policy_splits": triton_attn._choose_num_splits(cfg["num_key_value_heads"], context,
                                                             torch.device("cuda"))}
 
@@ -136,8 +141,13 @@ def tile_sweep(cfg: dict, context: int) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--splits", default="32,48,64,96,128,0", help="split factors of the kernel sweep (0: policy)")
+    ap.add_argument("--sweep-constants", metavar="JSON", default="[{}]",
+                    help="a list of triton_attn constant sets; the split sweep runs once with each, e.g. "
+                         "'[{}, {\"DECODE_FMA_16BIT\": true}]'")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tile-sweep", action="store_true", help="also time the attention kernel at other tile shapes")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU time by kernel over the decode run, repeated (prefix-cache hit)")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernels/triton_attn.py tile constants to set first, e.g. "
                          "'{\"PREFILL_BLOCK_N\": 64}' (an A/B of a tile against the default)")
@@ -171,11 +181,15 @@ def main():
     print(f"32k prompt: TTFT median {result['ttft_median_s']} s; decode {result['decode_tok_per_s']} tok/s "
           f"({result['decode_floor_fraction']:.0%} of the {result['decode_floor_tok_per_s']} tok/s floor)")
     print(json.dumps(result), flush=True)
+    if args.profile:
+        profile(llm, [prompts[-1]], SamplingParams(max_tokens=DECODE_TOKENS + 1, ignore_eos=True))
     del llm
     torch.cuda.empty_cache()
     context = PROMPT_LEN + DECODE_TOKENS // 2
     if args.splits:
-        print(json.dumps(attention_split_sweep(cfg, context, [int(s) for s in args.splits.split(",")])), flush=True)
+        for constants in json.loads(args.sweep_constants):
+            print(json.dumps(attention_split_sweep(cfg, context, [int(s) for s in args.splits.split(",")],
+                                                   constants)), flush=True)
     if args.tile_sweep:
         print(json.dumps(tile_sweep(cfg, context)), flush=True)
 

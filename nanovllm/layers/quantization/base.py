@@ -62,7 +62,8 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight in the engine's dtype; the product is `F.linear` (on the CPU, oneDNN's
-    on a packed copy for batches: kernels/cpu_gemm.py)."""
+    on a packed copy for batches: kernels/cpu_gemm.py; on the GPU, batches of a few rows by
+    kernels/triton_skinny_gemm.py)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -70,6 +71,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", set_shard_tags(weight, output_dim=0, input_dim=1))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            from nanovllm.kernels import triton_skinny_gemm
+            if triton_skinny_gemm.applies(x, layer.weight):
+                return triton_skinny_gemm.skinny_linear(x, layer.weight, bias)
         return dense_linear(x, layer.weight, bias, getattr(layer, "packed_weight", None),
                             getattr(layer, "int8_weight", None))
 
