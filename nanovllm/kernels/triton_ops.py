@@ -99,16 +99,36 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
                          BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                          STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                          KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """One program per token: its q heads, then its k heads (one launch for both); with
-    STORE_KV, also the token's rotated k and its v into their cache slot (none for slot -1),
-    quantized with each head's scale for an fp8 cache (KV_FP8)."""
+    """Two programs per token (one launch for both): its q heads (program 0 of axis 1), and its
+    k heads (program 1); with STORE_KV, the latter also writes the token's rotated k and its v
+    into their cache slot (none for slot -1), quantized with each head's scale for an fp8
+    cache (KV_FP8)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims)
     sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
-    _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
-                     HALF, HAS_NORM, BLOCK_QH)
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
+                         HALF, HAS_NORM, BLOCK_QH)
+    else:
+        _rope_k_and_store(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
+                          v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                          stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
+                          stride_vcb, stride_vcr, stride_vch, stride_vcd,
+                          HALF, HAS_NORM, BLOCK_KH, STORE_KV, PAGE_SIZE, KV_FP8, FP8_MAX)
+
+
+@triton.jit
+def _rope_k_and_store(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
+                      v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                      stride_vt, stride_vh, stride_cb, stride_cr, stride_ch,
+                      stride_vcb, stride_vcr, stride_vch, stride_vcd,
+                      HALF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_KH: tl.constexpr,
+                      STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                      KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """A token's k heads normed and rotated in place; with STORE_KV, k and v into the cache."""
+    dims = tl.arange(0, HALF)[None, :]
     k1, k2 = _norm_rope_heads(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
                               HALF, HAS_NORM, BLOCK_KH)
     if STORE_KV:
@@ -158,7 +178,7 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         v, k_cache, v_cache, slots, page_size, kv_fp8 = k, k, k, positions, 1, False
         v_cache_strides = (*k.stride(), 1)
     k_scale, v_scale = (kv_store.k_scale, kv_store.v_scale) if kv_fp8 else (positions, positions)
-    _qk_norm_rope_kernel[(num_tokens,)](
+    _qk_norm_rope_kernel[(num_tokens, 2)](
         q, k, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k,
         cos_sin_cache, positions, v, k_cache, v_cache, slots, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
