@@ -4,8 +4,9 @@ A decode step of one sequence multiplies one row by each layer's weight: a matri
 product whose time is the weight's bytes over the memory bandwidth. cuBLAS's kernels for
 these shapes ran far below it: one 32k-token sequence's decode on an H200 (a profile of
 `benchmarks/bench_long_context.py --profile`, RESULTS.md "Thirteenth session") spent 11.9 us
-on Qwen3-0.6B's 12.6 MB gate/up product (1.06 TB/s) and 4.9-5.3 us on each of the others,
-0.83 ms a step against the 0.25 ms its weights take at copy bandwidth.
+on Qwen3-0.6B's 12.6 MB gate/up product (1.06 TB/s) and 4.9-5.3 us on each of the others:
+the layers' products took 0.76 ms a step against the 0.18 ms their weights take at copy
+bandwidth.
 
 This kernel gives each program a few output features (`BLOCK_N` rows of the weight, chosen
 so the grid has at least `PROGRAMS_PER_SM` programs a multiprocessor) across the whole
@@ -13,7 +14,7 @@ reduction dimension: short reductions unrolled, so every load of the program is 
 before the first product, long ones in a loop with a few loads in flight. The weight is
 read once, in 16-byte loads. Products and sums are float32 on the CUDA cores (the tensor
 cores would idle at one row), rounded once to the output dtype. With it that decode ran at
-497 tok/s instead of 417, its products 0.46 ms a step instead of 0.83: each still takes
+497 tok/s instead of 417, the layers' products 0.46 ms a step instead of 0.76: each still takes
 3.8-5.0 us against a 1-3 us floor, most of it the latency of a kernel this short.
 
 Compiled variants, per model: one per (weight shape's reduction length `K`, `BLOCK_N`,
