@@ -3,10 +3,15 @@
 Runs natively on a GPU (bf16 included, and the engine's linear layers dispatching to it);
 without one, the kernel tests re-run under Triton's interpreter (tests/triton_interpreter.py).
 """
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from nanovllm import LLM, SamplingParams
+from nanovllm.models import decoder
+from tiny_models import random_prompts
 from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
@@ -51,6 +56,35 @@ def test_ragged_shapes_and_bias(n, k):
     BLOCK_K (520: a partial second load), unrolled (K <= UNROLLED_MAX_K) and looped (1536),
     a bias, rows strided past their length."""
     _check(2, n, k, torch.float16, bias=True, x_stride_pad=8)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("k", [96, 1536])
+def test_norm_and_silu_fused_in(dtype, with_residual, gated, k):
+    """skinny_norm_linear against its parts: RMSNorm(x + residual) (fused_ops' torch version, the
+    CPU path), the product, and SiLU-and-mul for a gate | up weight; the new residual exactly."""
+    from nanovllm.kernels import fused_ops, triton_skinny_gemm
+    g = torch.Generator().manual_seed(k + 2 * with_residual + gated)
+    n = 40
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(1, k, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * n if gated else n, k, generator=g) / k ** 0.5).to(dtype).to(DEVICE)  # products ~N(0, 1)
+    bias = None if gated else torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    y, new_residual = triton_skinny_gemm.skinny_norm_linear(x, residual, norm_w, 1e-6, w, bias, gated=gated)
+    summed = x + residual if with_residual else x
+    assert torch.equal(new_residual, summed)
+    normed = fused_ops._rms_norm_torch(summed, norm_w, 1e-6)
+    ref = F.linear(normed.double(), w.double(), None if bias is None else bias.double())
+    if gated:
+        gate, up = ref.chunk(2, -1)
+        ref = F.silu(gate) * up
+    assert y.shape == (1, n) and y.dtype == dtype
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < 2 * TOL[dtype], f"relative error {err:.2e}"
 
 
 @needs_kernels
@@ -108,3 +142,37 @@ def test_linear_layer_runs_it_for_few_rows():
     finally:
         triton_skinny_gemm.skinny_linear = real
     assert calls == [r for r in (1, 2, 3) if r <= triton_skinny_gemm.MAX_ROWS] != []
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the fused layer path runs on the GPU only")
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "granite", "mixtral"])
+def test_one_row_layers_fuse_norms_without_changing_outputs(tiny_model, family, monkeypatch):
+    """A one-sequence bf16 decode runs DecoderLayer.forward_one_row (RMSNorm inside the products,
+    SiLU-and-mul inside gate/up; Mixtral's experts keep their own norm): the same greedy ids and
+    logprobs, to bf16 rounding, as the same engine with the fusion off. qwen2: a q/k/v bias;
+    qwen3: q/k norms; granite: scaled residual branches."""
+    path, _ = tiny_model(family)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    fused_calls = []
+    fused = decoder.DecoderLayer.forward_one_row
+    monkeypatch.setattr(decoder.DecoderLayer, "forward_one_row",
+                        lambda self, *args: fused_calls.append(1) or fused(self, *args))
+
+    def run():
+        llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=4,
+                  num_kvcache_blocks=64)
+        outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in random_prompts([5, 40], seed=3)]
+        del llm
+        gc.collect()
+        return ([o.token_ids for o in outs],
+                [[lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)] for o in outs])
+
+    ids, logprobs = run()
+    assert fused_calls, "no one-row step took the fused path"
+    fused_calls.clear()
+    monkeypatch.setattr(decoder, "is_dense", lambda linear: False)
+    ref_ids, ref_logprobs = run()
+    assert not fused_calls
+    assert ids == ref_ids
+    diff = max(abs(a - b) for la, lb in zip(logprobs, ref_logprobs) for a, b in zip(la, lb))
+    assert diff < 0.05, f"logprobs moved by {diff}"

@@ -48,29 +48,79 @@ MIN_BLOCK_N = 2        # programs a multiprocessor, within [MIN_BLOCK_N, MAX_BLO
 MAX_BLOCK_N = 32
 
 
+@triton.jit
+def _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             NORM_BLOCK: tl.constexpr):
+    """1 / rms of the row x (+ residual), summed as triton_ops' RMSNorm kernel sums it;
+    program 0 writes x + residual to res_out."""
+    ks = tl.arange(0, NORM_BLOCK)
+    k_ok = ks < K
+    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + ks, mask=k_ok, other=0.0)
+        if tl.program_id(0) == 0:
+            tl.store(res_out_ptr + ks, x, mask=k_ok)
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+
+
+@triton.jit
+def _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, row_start, ks, x_ok,
+            NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Elements `ks` of a row of x as the product reads them (float32): x itself, or with NORM
+    norm_w * (x + residual) / rms, rounded to x's dtype where triton_ops' RMSNorm rounds."""
+    x = tl.load(x_ptr + row_start + ks, mask=x_ok, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = x + tl.load(res_ptr + ks, mask=x_ok, other=0.0)
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
+        x = (tl.load(norm_w_ptr + ks, mask=x_ok, other=0.0) * normed).to(normed.dtype)
+    return x.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, num_rows, N, stride_xm, stride_wn, stride_ym,
+def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr,
+                        num_rows, N, stride_xm, stride_wn, stride_ym, eps,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for BLOCK_N features n and every row m."""
+                        UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                        GATED: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for BLOCK_N features n and every row m.
+
+    NORM (one row): x is first RMSNorm(x (+ residual)) with weight norm_w (`_load_x`).
+    GATED: w holds gate (rows 0..N-1) and up (rows N..2N-1), and y = silu(x gate^T) * (x up^T),
+    each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them."""
+    tl.static_assert(BLOCK_M == 1 or not NORM, "the fused RMSNorm takes one row")
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, NORM_BLOCK)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]; the gate's when GATED
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+        if GATED:
+            w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
-            x = tl.load(x_ptr + m * stride_xm + ks, mask=x_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)  # [BLOCK_N]
-            acc += tl.where(rows[None, :] == m, part[:, None], 0.0)
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
+            acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
+            if GATED:
+                acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    y = acc.to(y_ptr.dtype.element_ty)
+    if GATED:
+        gate = y.to(tl.float32)
+        y = (gate / (1 + tl.exp(-gate))).to(y_ptr.dtype.element_ty) * acc_up.to(y_ptr.dtype.element_ty)
     out = y_ptr + rows[None, :] * stride_ym + cols[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=col_ok[:, None] & (rows[None, :] < num_rows))
+    tl.store(out, y, mask=col_ok[:, None] & (rows[None, :] < num_rows))
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -92,17 +142,42 @@ def block_n(num_features: int, num_sms: int) -> int:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [num_rows, K] @ weight [N, K].T (+ bias [N]) -> [num_rows, N]; the engine sends
     num_rows <= MAX_ROWS (`applies`), any count computes."""
+    assert x.shape[0] > 0
+    return _launch(x, weight, bias, None, 0.0, gated=False)
+
+
+def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None,
+                       gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: (RMSNorm(x + residual) @ weight.T (+ bias), x + residual), the norm computed
+    inside the product (layers/layernorm.py's RMSNorm, then the linear layer, in one launch);
+    without a residual, x itself is returned as the new one. `gated`: weight is gate | up and
+    the result silu(gate) * up, SiLU-and-mul fused in too.
+
+    x, residual: [1, K]; norm_weight: [K]; weight: [N, K] ([2N, K] gated) -> [1, N], [1, K]
+    """
+    assert x.shape[0] == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous())
+    res_out = torch.empty_like(x) if residual is not None else x
+    y = _launch(x, weight, bias, (residual, norm_weight, res_out), eps, gated)
+    return y, res_out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: tuple | None,
+            eps: float, gated: bool) -> torch.Tensor:
+    """The kernel over x's rows; `norm`: (residual or None, norm weight, where x + residual goes)."""
     num_rows, k = x.shape
-    n = weight.shape[0]
-    assert num_rows > 0 and weight.shape[1] == k
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert weight.shape[1] == k and not (gated and bias is not None)
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    residual, norm_weight, res_out = norm if norm is not None else (None, x, x)
     bn = block_n(n, _num_sms(x.device))
     bk = min(BLOCK_K, triton.next_power_of_2(k))
     unrolled = k <= UNROLLED_MAX_K
     _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
-        x, weight, y if bias is None else bias, y, num_rows, n, x.stride(0), weight.stride(0), y.stride(0),
+        x, x if residual is None else residual, norm_weight, res_out, weight, y if bias is None else bias, y,
+        num_rows, n, x.stride(0), weight.stride(0), y.stride(0), eps,
         K=k, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=bn, BLOCK_K=bk,
         UNROLL=triton.cdiv(k, bk) if unrolled else 1, NUM_STAGES=1 if unrolled else PIPELINE_STAGES,
-        HAS_BIAS=bias is not None, num_warps=NUM_WARPS)
+        HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        NORM_BLOCK=triton.next_power_of_2(k), GATED=gated, num_warps=NUM_WARPS)
     return y
-
