@@ -15,12 +15,17 @@ before the first product, long ones in a loop with a few loads in flight. The we
 read once, in 16-byte loads. Products and sums are float32 on the CUDA cores (the tensor
 cores would idle at one row), rounded once to the output dtype. With it that decode ran at
 497 tok/s instead of 417, the layers' products 0.46 ms a step instead of 0.76: each still takes
-3.8-5.0 us against a 1-3 us floor, most of it the latency of a kernel this short.
+3.8-5.0 us against a 1-3 us floor, most of it the latency of a kernel this short. So the
+kernels around them come in too (`skinny_norm_linear`, for models/decoder.py's one-row layers):
+the RMSNorm (+ residual add) before q/k/v and gate/up, recomputed by every program from the
+row (a few KB, from L2), and SiLU-and-mul after gate/up: 526 tok/s against 495 without, in
+one run (three launches fewer a layer, ~0.1 ms a step).
 
 Compiled variants, per model: one per (weight shape's reduction length `K`, `BLOCK_N`,
-`BLOCK_M`, dtype, bias or not); `BLOCK_M` is the row count rounded up to a power of two,
-1 in the engine (MAX_ROWS), whose one-sequence decode engine/warmup.py runs at start-up; the
-row count itself is `do_not_specialize`.
+`BLOCK_M`, dtype, bias or not, norm with or without a residual, gated or not); `BLOCK_M` is
+the row count rounded up to a power of two, 1 in the engine (MAX_ROWS), whose one-sequence
+decode engine/warmup.py runs at start-up (its first layer's norm has no residual, the others
+do); the row count itself is `do_not_specialize`.
 """
 import torch
 import triton
@@ -30,7 +35,7 @@ from nanovllm.kernels.triton_attn import _num_sms
 
 # Rows up to which a dense 16-bit product on the GPU runs here instead of cuBLAS. At one row
 # the kernel beat cuBLAS on all eight decode products of Qwen3-0.6B and Qwen3-8B (0.6B: 3.8-5.0
-# against 4.9-6.6 us; 8B: 10.9-49.5 against 12.5-49.7 us); at two rows it lost on six of them
+# against 4.9-12.8 us; 8B: 10.9-49.5 against 12.5-49.7 us); at two rows it lost on six of them
 # (each row's sums cost cross-thread reductions), by up to 6.1 us on the 8B's down product
 # (benchmarks/bench_skinny_gemm.py, RESULTS.md "Thirteenth session"). The kernel itself takes
 # any row count (BLOCK_M, a power of two), for measuring.
