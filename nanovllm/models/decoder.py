@@ -6,6 +6,9 @@ The families differ only in what `ModelConfig` carries: bias on the q/k/v projec
 Granite's four scalars, the experts that replace the MLP in a mixture-of-experts
 model's sparse layers; and in how a checkpoint names its tensors (Phi-3 fuses some).
 Each family file names a subclass for the registry.
+
+A step of one row on the GPU (one sequence's decode) runs `DecoderLayer.forward_one_row`,
+the same math in fewer kernel launches, since such a step is bound by its kernels' latency.
 """
 import torch
 from torch import nn
