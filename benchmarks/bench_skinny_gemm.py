@@ -1,11 +1,14 @@
-"""Skinny products (1-8 rows) on the GPU: cuBLAS against kernels/triton_skinny_gemm.py.
+"""Skinny products (a few rows) on the GPU: cuBLAS against kernels/triton_skinny_gemm.py.
 
 For each decode product of a model shape (Qwen3-0.6B and Qwen3-8B: q/k/v, o, gate/up,
 down), a chain of `--layers` products, each on its own weight (together far beyond L2,
 as in a decode step, where every layer's weights come from HBM), captured in one CUDA
 graph and replayed; microseconds per product, and the weight's bytes over that time
 against the copy bandwidth measured in the same run. With `--variants`, the skinny
-kernel's module constants are set per variant (JSON: name -> constants).
+kernel's module constants are set per variant (JSON: name -> constants). The kernel is
+timed at every row count asked for (the engine sends it MAX_ROWS rows at most); the fused
+norm / SiLU forms (`skinny_norm_linear`) are not timed here (bench_long_context.py
+measures them in the engine).
 
     python benchmarks/bench_skinny_gemm.py
     python benchmarks/bench_skinny_gemm.py --rows 1,2,4,8 --variants '{"k1024": {"BLOCK_K": 1024}}'
@@ -71,8 +74,6 @@ def main():
     args = ap.parse_args()
     bw = copy_bandwidth()
     variants = {"default": {}, **json.loads(args.variants)}
-    old_max = triton_skinny_gemm.MAX_ROWS
-    triton_skinny_gemm.MAX_ROWS = max(int(r) for r in args.rows.split(","))  # time past the engine's bound too
     results = []
     for model in args.models.split(","):
         for name, n, k in SHAPES[model]:
@@ -97,7 +98,6 @@ def main():
                                                                 ("floor_us", "cublas_us"))
                       + f"  (best {best[:-3]}, {floor_us / row[best]:.2f} of copy bandwidth)", flush=True)
             del ws
-    triton_skinny_gemm.MAX_ROWS = old_max
     print(json.dumps({"bench": "skinny_gemm", "copy_bandwidth_gbs": round(bw / 1e9, 1), "results": results}))
 
 

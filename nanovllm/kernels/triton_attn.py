@@ -69,6 +69,8 @@ store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not
 The cache layout is fixed when the cache is allocated, so the strides Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -573,17 +575,23 @@ def _fp8_mma(cache_dtype: torch.dtype, q_dtype: torch.dtype, max_seqlen_q: int, 
             and q_dtype in (torch.float16, torch.bfloat16))
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of `device` (CPU_NOMINAL_SMS under Triton's interpreter), looked up once."""
     if device.type != "cuda":
         return CPU_NOMINAL_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.device,
                        programs_per_sm: int | None = None) -> int:
     """Split-KV factor that fills the GPU (`programs_per_sm` programs a multiprocessor, default
     TARGET_PROGRAMS_PER_SM) without making segments too short."""
-    target = (programs_per_sm or TARGET_PROGRAMS_PER_SM) * _num_sms(device)
+    target = (programs_per_sm or TARGET_PROGRAMS_PER_SM) * num_sms(device)
     if programs >= target:
         return 1
     by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT

@@ -10,16 +10,19 @@ bandwidth.
 
 This kernel gives each program a few output features (`BLOCK_N` rows of the weight, chosen
 so the grid has at least `PROGRAMS_PER_SM` programs a multiprocessor) across the whole
-reduction dimension: short reductions unrolled, so every load of the program is issued
-before the first product, long ones in a loop with a few loads in flight. The weight is
-read once, in 16-byte loads. Products and sums are float32 on the CUDA cores (the tensor
-cores would idle at one row), rounded once to the output dtype. With it that decode ran at
+reduction dimension: short reductions unrolled (meant to let the compiler issue all of a
+program's loads up front), long ones in a software-pipelined loop. The weight is read once,
+contiguous along its rows. Products and sums are float32 on the CUDA cores (the tensor cores
+would idle at one row), rounded once to the output dtype. With it that decode ran at
 497 tok/s instead of 417, the layers' products 0.46 ms a step instead of 0.76: each still takes
 3.8-5.0 us against a 1-3 us floor, most of it the latency of a kernel this short. So the
 kernels around them come in too (`skinny_norm_linear`, for models/decoder.py's one-row layers):
 the RMSNorm (+ residual add) before q/k/v and gate/up, recomputed by every program from the
-row (a few KB, from L2), and SiLU-and-mul after gate/up: 526 tok/s against 495 without, in
-one run (three launches fewer a layer, ~0.1 ms a step).
+row (a few KB, from L2), and SiLU-and-mul after gate/up: 524-526 tok/s against 495 without, in
+one run (three launches fewer a layer, ~0.1 ms a step). They round where the kernels they
+replace round (triton_ops' RMSNorm and SiLU-and-mul), but the products' float32 sums run in
+another order (another BLOCK_N for gate/up as one product or two halves), so the results
+match the unfused ones to rounding, not bit for bit.
 
 Compiled variants, per model: one per (weight shape's reduction length `K`, `BLOCK_N`,
 `BLOCK_M`, dtype, bias or not, norm with or without a residual, gated or not); `BLOCK_M` is
@@ -27,11 +30,13 @@ the row count rounded up to a power of two, 1 in the engine (MAX_ROWS), whose on
 decode engine/warmup.py runs at start-up (its first layer's norm has no residual, the others
 do); the row count itself is `do_not_specialize`.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_attn import _num_sms
+from nanovllm.kernels.triton_attn import num_sms
 
 # Rows up to which a dense 16-bit product on the GPU runs here instead of cuBLAS. At one row
 # the kernel beat cuBLAS on all eight decode products of Qwen3-0.6B and Qwen3-8B (0.6B: 3.8-5.0
@@ -105,13 +110,14 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]; the gate's when GATED
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # GATED: the up half's rows
     for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         w_ok = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         if GATED:
-            w_up = tl.load(w_rows + N * stride_wn + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
+            w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
             x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
@@ -151,6 +157,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _launch(x, weight, bias, None, 0.0, gated=False)
 
 
+class FusedNorm(NamedTuple):
+    """The RMSNorm a one-row product's input goes through first (`skinny_norm_linear`)."""
+    residual: torch.Tensor | None  # [1, K], added to x first; None: x alone
+    weight: torch.Tensor           # [K]
+    residual_out: torch.Tensor     # [1, K]: where x + residual goes (x itself without a residual)
+
+
 def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None,
                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,19 +176,20 @@ def skinny_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     """
     assert x.shape[0] == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous())
     res_out = torch.empty_like(x) if residual is not None else x
-    y = _launch(x, weight, bias, (residual, norm_weight, res_out), eps, gated)
+    y = _launch(x, weight, bias, FusedNorm(residual, norm_weight, res_out), eps, gated)
     return y, res_out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: tuple | None,
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: FusedNorm | None,
             eps: float, gated: bool) -> torch.Tensor:
-    """The kernel over x's rows; `norm`: (residual or None, norm weight, where x + residual goes)."""
+    """The kernel over x's rows, with `norm` fused in where given."""
     num_rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert weight.shape[1] == k and not (gated and bias is not None)
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    # pointers the kernel's flags leave unread (no norm, no residual, no bias) get any tensor
     residual, norm_weight, res_out = norm if norm is not None else (None, x, x)
-    bn = block_n(n, _num_sms(x.device))
+    bn = block_n(n, num_sms(x.device))
     bk = min(BLOCK_K, triton.next_power_of_2(k))
     unrolled = k <= UNROLLED_MAX_K
     _skinny_gemm_kernel[(triton.cdiv(n, bn),)](

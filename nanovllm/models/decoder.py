@@ -19,7 +19,7 @@ from nanovllm.layers.fused_moe import SparseMoeBlock, map_expert_name
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.quantization.base import UnquantizedLinearMethod
+from nanovllm.layers.quantization.base import is_unquantized
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.model_config import ModelConfig
 from nanovllm.utils.context import get_context
@@ -46,7 +46,8 @@ class DecoderAttention(nn.Module):
         return self.attend(positions, self.qkv_proj(x))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv: [num_tokens, (heads + 2 * kv_heads) * d] -> the attention's output projection."""
+        """qkv: [num_tokens, (heads + 2 * kv_heads) * d] -> the attention's output projection,
+        [num_tokens, hidden_size]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -76,11 +77,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual_multiplier = cfg.residual_multiplier
-        # dense products (no quantization method) can take their RMSNorm in (forward_one_row)
-        self.dense_qkv = is_dense(self.self_attn.qkv_proj)
-        self.dense_mlp = isinstance(self.mlp, DecoderMLP) and is_dense(self.mlp.gate_up_proj)
+        # unquantized products can take their RMSNorm in (forward_one_row)
+        self.dense_qkv = is_unquantized(self.self_attn.qkv_proj)
+        self.dense_mlp = isinstance(self.mlp, DecoderMLP) and is_unquantized(self.mlp.gate_up_proj)
 
     def forward(self, positions, hidden, residual):
+        # exactly one row: the fused norm normalizes one row (skinny_norm_linear)
         if self.dense_qkv and hidden.is_cuda and hidden.shape[0] == 1:
             from nanovllm.kernels import triton_skinny_gemm
             if triton_skinny_gemm.applies(hidden, self.self_attn.qkv_proj.weight):
@@ -96,8 +98,8 @@ class DecoderLayer(nn.Module):
     def forward_one_row(self, positions, hidden, residual):
         """`forward` for one row on the GPU in fewer launches (a one-sequence decode is bound by
         its kernels' latency): each RMSNorm runs inside the product after it, and SiLU-and-mul
-        inside gate/up (kernels/triton_skinny_gemm.py: the same roundings as the kernels they
-        replace)."""
+        inside gate/up (kernels/triton_skinny_gemm.py: rounded where the kernels they replace
+        round; the products' sums in another order)."""
         from nanovllm.kernels.triton_skinny_gemm import skinny_norm_linear
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = skinny_norm_linear(hidden, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight,
@@ -113,11 +115,6 @@ class DecoderLayer(nn.Module):
     def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output as the residual add takes it (Granite scales it)."""
         return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
-
-
-def is_dense(linear: nn.Module) -> bool:
-    """Whether `linear` holds a plain weight (no quantization method, nor one built on the dense one)."""
-    return type(linear.quant_method) is UnquantizedLinearMethod
 
 
 def run_decoder_layers(layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):

@@ -83,6 +83,13 @@ class UnquantizedLinearMethod(LinearMethod):
         return True
 
 
+def is_unquantized(layer: nn.Module) -> bool:
+    """Whether a linear layer runs `UnquantizedLinearMethod` itself. Methods built on it (GGUF,
+    CPU int weights) answer False: they keep other weights beside or instead of a plain one, and
+    a product fused around the layer's weight would skip what their `apply` does."""
+    return type(layer.quant_method) is UnquantizedLinearMethod
+
+
 class FusedMoEMethod:
     """How one mixture-of-experts layer stores its experts and runs them: the experts'
     counterpart of `LinearMethod` (layers/fused_moe.py has the dense one)."""
