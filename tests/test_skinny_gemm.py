@@ -120,6 +120,25 @@ def _assert_same_rounding(y: torch.Tensor, ref: torch.Tensor) -> None:
     assert ((y.float() - ref.float()).abs() <= ulp).all()
 
 
+@needs_kernels
+@pytest.mark.parametrize("n,k", [(41, 96), (130, 1100), (64, 3072)])
+def test_sum_once_variant(monkeypatch, n, k):
+    """SUM_ONCE (one row's sums over K after the loop, BLOCK_K shrunk to SUM_ONCE_TILE) against
+    F.linear, plain and with the norm and gate fused in; rows > 1 keep the per-iteration sums."""
+    from nanovllm.kernels import fused_ops, triton_skinny_gemm
+    monkeypatch.setattr(triton_skinny_gemm, "SUM_ONCE", True)
+    _check(1, n, k, torch.float16, bias=True)
+    _check(2, n, k, torch.float16, bias=False)
+    g = torch.Generator().manual_seed(n + k)
+    x, residual = (torch.randn(1, k, generator=g).to(torch.float16).to(DEVICE) for _ in range(2))
+    norm_w = torch.ones(k, dtype=torch.float16, device=DEVICE)
+    w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(torch.float16).to(DEVICE)
+    y, _ = triton_skinny_gemm.skinny_norm_linear(x, residual, norm_w, 1e-6, w, None, gated=True)
+    gate, up = F.linear(fused_ops._rms_norm_torch(x + residual, norm_w, 1e-6).double(), w.double()).chunk(2, -1)
+    ref = F.silu(gate) * up
+    assert (y.double() - ref).abs().max().item() / ref.abs().max().item() < 2 * TOL[torch.float16]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the parent process only")
 @pytest.mark.parametrize("quantization,unquantized", [(None, True), ("fp8", False), ("gguf", False)])
 def test_quantized_layers_keep_their_own_products(tmp_path, quantization, unquantized):

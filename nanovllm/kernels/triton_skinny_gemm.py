@@ -56,6 +56,12 @@ PIPELINE_STAGES = 3
 PROGRAMS_PER_SM = 4    # BLOCK_N is the largest power of two that leaves at least this many
 MIN_BLOCK_N = 2        # programs a multiprocessor, within [MIN_BLOCK_N, MAX_BLOCK_N]
 MAX_BLOCK_N = 32
+# One row's products summed over K once after the loop, from [BLOCK_N, BLOCK_K] partials of at
+# most SUM_ONCE_TILE elements (BLOCK_K shrinks to fit), instead of once an iteration: in the sm_90
+# code the per-iteration sums cross the warps through shared memory and hold back the next
+# iteration's loads (RESULTS.md "Thirteenth session"). Off: not yet timed on a GPU.
+SUM_ONCE = False
+SUM_ONCE_TILE = 4096
 
 
 @triton.jit
@@ -94,13 +100,16 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
                         NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                        GATED: tl.constexpr):
+                        GATED: tl.constexpr, SUM_ONCE: tl.constexpr):
     """y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for BLOCK_N features n and every row m.
 
     NORM (one row): x is first RMSNorm(x (+ residual)) with weight norm_w (`_load_x`).
     GATED: w holds gate (rows 0..N-1) and up (rows N..2N-1), and y = silu(x gate^T) * (x up^T),
-    each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them."""
+    each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them.
+    SUM_ONCE (one row): the products gathered in [BLOCK_N, BLOCK_K] partials and summed over K
+    once after the loop, instead of once an iteration."""
     tl.static_assert(BLOCK_M == 1 or not NORM, "the fused RMSNorm takes one row")
+    tl.static_assert(BLOCK_M == 1 or not SUM_ONCE, "SUM_ONCE takes one row")
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -109,6 +118,8 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, NORM_BLOCK)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]; the gate's when GATED
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    part = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SUM_ONCE's partials
+    part_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # GATED: the up half's rows
     for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL, num_stages=NUM_STAGES):
@@ -118,12 +129,21 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         if GATED:
             w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
-            x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
-            acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
+        if SUM_ONCE:
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, 0, ks, k_ok, NORM, HAS_RESIDUAL)
+            part += w * x[None, :]
             if GATED:
-                acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
+                part_up += w_up * x[None, :]
+        else:
+            for m in tl.static_range(BLOCK_M):
+                x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
+                x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
+                acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
+                if GATED:
+                    acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
+    if SUM_ONCE:
+        acc = tl.sum(part, axis=1)[:, None]
+        acc_up = tl.sum(part_up, axis=1)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(y_ptr.dtype.element_ty)
@@ -190,7 +210,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
     # pointers the kernel's flags leave unread (no norm, no residual, no bias) get any tensor
     residual, norm_weight, res_out = norm if norm is not None else (None, x, x)
     bn = block_n(n, num_sms(x.device))
-    bk = min(BLOCK_K, triton.next_power_of_2(k))
+    sum_once = SUM_ONCE and num_rows == 1
+    bk = min(BLOCK_K, triton.next_power_of_2(k), SUM_ONCE_TILE // bn if sum_once else BLOCK_K)
     unrolled = k <= UNROLLED_MAX_K
     _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
         x, x if residual is None else residual, norm_weight, res_out, weight, y if bias is None else bias, y,
@@ -198,5 +219,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
         K=k, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=bn, BLOCK_K=bk,
         UNROLL=triton.cdiv(k, bk) if unrolled else 1, NUM_STAGES=1 if unrolled else PIPELINE_STAGES,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        NORM_BLOCK=triton.next_power_of_2(k), GATED=gated, num_warps=NUM_WARPS)
+        NORM_BLOCK=triton.next_power_of_2(k), GATED=gated, SUM_ONCE=sum_once, num_warps=NUM_WARPS)
     return y
