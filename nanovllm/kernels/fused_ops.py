@@ -59,7 +59,7 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
         return q, k
     if q_weight is not None:
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
-    cos, sin = _cos_sin(positions, cos_sin_cache)  # [num_tokens, 1, d] each
+    cos, sin = _cos_sin(positions, cos_sin_cache)  # [num_tokens, 1, d/2] each
     if q.dtype == k.dtype:  # q and k rotated together: half the small ops
         q, k = _rotate(torch.cat([q, k], 1), cos, sin).split([q.shape[1], k.shape[1]], 1)
     else:
@@ -70,23 +70,18 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
 
 
 def _cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation's factors at `positions` [num_tokens]: (cos | cos) and (-sin | sin), each
-    [num_tokens, 1, d], as `_rotate` takes them. Every layer of a step passes the same two
-    tensors, so they are made once per step (eagerly; a compiled forward fuses them into each
-    rotation instead)."""
-    def compute():
-        cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
-        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    """cos and sin of `positions` [num_tokens]: each [num_tokens, 1, d/2]. Every layer of a step
+    passes the same two tensors, so the lookup is done once per step (eagerly; a compiled forward
+    fuses it into each rotation instead)."""
     if torch.compiler.is_compiling():
-        return compute()
-    return once_per_step("cos_sin", (positions, cos_sin_cache), compute)
+        return cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+    return once_per_step("cos_sin", (positions, cos_sin_cache),
+                         lambda: cos_sin_cache[positions].unsqueeze(1).chunk(2, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in float32, rounded to x's dtype:
-    x * (cos | cos) + (x2 | x1) * (-sin | sin), the same values in four ops instead of seven."""
-    xf = x.float()
-    return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
