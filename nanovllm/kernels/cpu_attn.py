@@ -34,8 +34,9 @@ layout that interleaves heads (`[num_blocks, block_size, kv_heads, d]` memory, w
 tests and the fp8 calibration allocate) the same code runs, its gather slower.
 
 A mixed step (decodes beside prefill chunks: every serving step while prompts arrive)
-splits: its decodes go through the batched path, its prefill chunks through `torch_ref`
-(once per prompt, not per token). A step of prefills only goes to `torch_ref` whole.
+splits: its decodes go through the batched path, its prefill chunks through
+`cpu_prefill_attn` (once per prompt, not per token: bf16 products where the CPU multiplies
+bf16 fast, else `torch_ref`). A step of prefills only goes to `cpu_prefill_attn` whole.
 Signatures are those of `torch_ref`; tests compare the two. An fp8 cache is gathered as
 bytes and dequantized before the products, as in `torch_ref`.
 """
@@ -45,7 +46,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_decode_mirror, kv_quant, torch_ref
+from nanovllm.kernels import cpu_decode_mirror, cpu_prefill_attn, kv_quant, torch_ref
 from nanovllm.kernels.step_memo import once_per_step
 from nanovllm.utils.device import cpu_has_fast_bf16
 
@@ -100,15 +101,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split = _mixed_split(cu_seqlens_q, seq_lens_k, block_tables)
     if split is None:  # fewer than two decodes: nothing to batch
         cpu_decode_mirror.invalidate(k_cache)  # (this step may have stored into blocks the mirror held)
-        return torch_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                         k_scale=k_scale, v_scale=v_scale)
+        return cpu_prefill_attn.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                                                  scale, k_scale, v_scale)
     decode_rows, decode_lens, decode_tables, prefill_rows, prefill_cu, prefill_lens, prefill_tables = split
     out = torch.empty_like(q)
     out[decode_rows] = decode_attention(q[decode_rows], k_cache, v_cache, decode_lens, decode_tables, scale,
                                         max_seqlen_k, k_scale, v_scale)
-    out[prefill_rows] = torch_ref.paged_attention(q[prefill_rows], k_cache, v_cache, prefill_cu, prefill_lens,
-                                                  prefill_tables, scale, k_scale=k_scale, v_scale=v_scale)
+    out[prefill_rows] = cpu_prefill_attn.prefill_attention(q[prefill_rows], k_cache, v_cache, prefill_cu,
+                                                           prefill_lens, prefill_tables, scale, k_scale, v_scale)
     return out
 
 
