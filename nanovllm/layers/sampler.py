@@ -217,16 +217,16 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
     probs: [rows, vocab] >= 0; uniforms: [rows] float64 in [0, 1) -> token ids [rows] int64.
     In two steps, so that no token's mass is lost to float32 rounding of a long running sum and
-    no [rows, vocab] float64 matrix is made: the chunk holding the target mass, from the chunks'
-    masses (each summed, then accumulated, in float64); then the token inside that chunk, from
-    its own float64 running sum. A token of probability 0 is never drawn: the target is below
-    the row's total, and a target at or past the chunk's rounded total takes its last token
-    of positive probability.
+    no [rows, vocab] float64 matrix is made (converting one took most of the draw's time): the
+    chunk holding the target mass, from the chunks' masses (each a float32 sum, accumulated in
+    float64); then the token inside that chunk, from its own float64 running sum. A token of
+    probability 0 is never drawn: the target is below the row's total, and a target at or past
+    the chunk's total as its running sum rounds it takes its last token of positive probability.
     """
     rows, vocab = probs.shape
     chunk = next((c for c in CHUNKS if vocab % c == 0), vocab)
     chunks = probs.view(rows, vocab // chunk, chunk)                        # [rows, n, chunk]
-    cumulative = chunks.sum(-1, dtype=torch.float64).cumsum(-1)             # [rows, n]
+    cumulative = chunks.sum(-1).double().cumsum(-1)                         # [rows, n]
     total = cumulative[:, -1:]
     below_total = total.nextafter(torch.zeros_like(total))
     target = torch.minimum(uniforms.unsqueeze(1) * total, below_total)   # [rows, 1]
