@@ -14,8 +14,8 @@ cumulative probability exceeds U times the row's total (`inverse_cdf`). Seeded r
 their U from a generator seeded per (request seed, position), so their draws depend on
 nothing else in the batch; the other rows share one batched draw from the global RNG.
 (It replaced the Gumbel-max race argmax(p / E), E ~ Exp(1) per token: on the CPU torch's
-`exponential_` took 17 ms for 16 rows of a 49,152-token vocabulary, a third of a 16-row
-decode step of SmolLM2; the inverse CDF ~1 ms; benchmarks/RESULTS.md "B2 CPU, round 9".) On a GPU,
+`exponential_` took 17 ms for 16 rows of a 49,152-token vocabulary, a sixth of SmolLM2's
+16-row decode step; the inverse CDF ~1 ms; benchmarks/RESULTS.md "B2 CPU, round 9".) On a GPU,
 a batch with no top-k/top-p/min-p row draws with two fused Triton launches instead
 (kernels/triton_sampling.py: inverse CDF of softmax(logits / T), one uniform from
 Philox keyed by a seed per row); that draw reads the grammar bitmask itself, so
