@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.engine.sampling_metadata import SamplingMetadata
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_penalties, apply_top_k,
-                                     apply_top_p, inverse_cdf)
+from nanovllm.layers.sampler import (TOP_P_CANDIDATES, Sampler, apply_logit_bias, apply_min_p, apply_penalties,
+                                     apply_top_k, apply_top_p, inverse_cdf, top_p_by_sort)
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from tiny_models import random_prompts
 
@@ -432,3 +432,21 @@ def test_inverse_cdf_never_draws_a_zero_probability_token_at_the_top_of_the_rang
     probs[1, 1500] = 1.0
     tokens = inverse_cdf(probs, torch.full((2,), 1 - 2 ** -53, dtype=torch.float64))
     assert tokens.tolist() == [4, 1500]
+
+
+def test_top_p_among_the_candidates_equals_the_sort():
+    """A large vocabulary (the CPU looks among the TOP_P_CANDIDATES most likely tokens first): peaked
+    rows (settled by the candidates), flat rows (whose set reaches past them: sorted), top_p = 1 rows
+    and a -inf token, in one batch: the same tokens kept, with the same logits, as sorting every row."""
+    vocab = 8 * TOP_P_CANDIDATES
+    gen = torch.Generator().manual_seed(12)
+    peaked = torch.randn(4, vocab, generator=gen) * 4
+    flat = torch.randn(4, vocab, generator=gen) * 0.1
+    logits = torch.cat([peaked, flat])[torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])]
+    logits[0, 7] = float("-inf")
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.3, 1.0, 1.0, 0.99, 0.7])
+    ours, expected = apply_top_p(logits, top_p), top_p_by_sort(logits, top_p)
+    assert torch.equal(ours.isinf(), expected.isinf())
+    assert torch.equal(ours[~ours.isinf()], expected[~expected.isinf()])
+    kept = (~ours.isinf()).sum(-1)
+    assert (kept[[1, 3]] > TOP_P_CANDIDATES).all() and (kept[[0, 2]] < TOP_P_CANDIDATES).all()  # both paths ran
