@@ -21,8 +21,8 @@ token) does, per layer:
    "B2 CPU, round 8"); on AVX2 in fp32 the two ran alike (round 6), so SDPA stays there.
    Small decode steps (at most SDPA_MAX_KEY_ROWS sequence-key pairs, one sequence's
    whole context up to there) keep SDPA: each bf16 product has a fixed cost of ~20-40 us
-   that the flash kernel does not pay (one sequence at ~100 tokens: ~30 against ~90 us a
-   layer; round 9).
+   that the flash kernel does not pay (one sequence at 40-140 tokens: 28-49 against
+   128-137 us a layer; round 9).
    The probabilities are rounded to bf16 before the second product: the outputs differ
    from SDPA's by bf16 rounding (at most 0.008 on unit-normal values there).
 

@@ -12,7 +12,8 @@ reference's by bf16 rounding. Elsewhere (fp32; CPUs without fast bf16) `torch_re
 
 A chunk's scores are `[kv_heads, group * rows, k_len]` in fp32; its queries are taken in
 slices of rows that keep them under MAX_SCORES values, so a long prompt does not hold a whole
-`[q_len, k_len]` matrix per head at once. Signature as `torch_ref.paged_attention`.
+`[q_len, k_len]` matrix per head at once. Arguments as `torch_ref.paged_attention`'s, without its
+host-known bounds.
 """
 import torch
 
