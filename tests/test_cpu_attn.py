@@ -229,9 +229,12 @@ def test_no_mirror_where_it_would_outgrow_the_paged_cache():
 @pytest.mark.skipif(not FAST_BF16,
                     reason="the bf16 products path runs only where the CPU multiplies bf16 fast")
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 4)])
-def test_bf16_decode_by_products_matches_fp32_reference(num_heads, num_kv_heads):
-    """bf16 decode attention (two batched products around an fp32 softmax on AVX512-BF16 / AMX)
-    equals the fp32 reference on the same bf16 values to bf16 rounding."""
+@pytest.mark.parametrize("sdpa_max_key_rows", [0, 10**6])  # by products / by SDPA (small steps)
+def test_bf16_decode_by_products_matches_fp32_reference(num_heads, num_kv_heads, sdpa_max_key_rows, monkeypatch):
+    """bf16 decode attention (two batched products around an fp32 softmax on AVX512-BF16 / AMX;
+    SDPA for steps of at most SDPA_MAX_KEY_ROWS keys) equals the fp32 reference on the same bf16
+    values to bf16 rounding."""
+    monkeypatch.setattr(cpu_attn, "SDPA_MAX_KEY_ROWS", sdpa_max_key_rows)
     seq_lens = [1, 16, 17, 40, 5, 33]
     q, k_cache, v_cache, *rest = _paged_case(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads,
                                              layout="heads_major")

@@ -11,8 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.engine.sampling_metadata import SamplingMetadata
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import (Sampler, apply_logit_bias, apply_min_p, apply_penalties, apply_top_k,
-                                     apply_top_p)
+from nanovllm.layers.sampler import (TOP_P_CANDIDATES, Sampler, apply_logit_bias, apply_min_p, apply_penalties,
+                                     apply_top_k, apply_top_p, inverse_cdf, top_p_by_sort)
 from nanovllm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 from tiny_models import random_prompts
 
@@ -405,3 +405,48 @@ def test_engine_rejects_bad_requests(llama):
     out = llm.generate([[5, 6]], SamplingParams(allowed_token_ids=eos, min_tokens=2, max_tokens=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids
     assert len(out) == 3 and set(out) <= set(eos)  # with ignore_eos, EOS does not end it: no conflict
+
+
+# ---- the random draw: inverse CDF ---------------------------------------------------------
+
+@pytest.mark.parametrize("vocab", [4096, 1000])  # four chunks of 1,024 / one chunk (no chunk size divides it)
+def test_inverse_cdf_picks_the_first_token_past_the_target_mass(vocab):
+    """Each row's token is where the float64 running sum of the whole row first exceeds U x total,
+    zeros (filtered tokens) included; every draw is a token of positive probability."""
+    gen = torch.Generator().manual_seed(11)
+    probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 3, -1)
+    probs[probs < 1e-4] = 0  # filtered tokens, in every chunk
+    uniforms = torch.rand(64, dtype=torch.float64, generator=gen)
+    uniforms[:3] = torch.tensor([0.0, 0.5, 1 - 2 ** -53], dtype=torch.float64)  # the edges of [0, 1)
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, uniforms.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    tokens = inverse_cdf(probs, uniforms)
+    assert (probs.gather(1, tokens.unsqueeze(1)) > 0).all()
+    assert torch.equal(tokens, expected)
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token_at_the_top_of_the_range():
+    """U just below 1 on a row whose last tokens (and last chunks) are all filtered out."""
+    probs = torch.zeros(2, 4096)
+    probs[0, :5] = 0.2
+    probs[1, 1500] = 1.0
+    tokens = inverse_cdf(probs, torch.full((2,), 1 - 2 ** -53, dtype=torch.float64))
+    assert tokens.tolist() == [4, 1500]
+
+
+def test_top_p_among_the_candidates_equals_the_sort():
+    """A large vocabulary (the CPU looks among the TOP_P_CANDIDATES most likely tokens first): peaked
+    rows (settled by the candidates), flat rows (whose set reaches past them: sorted), top_p = 1 rows
+    and a -inf token, in one batch: the same tokens kept, with the same logits, as sorting every row."""
+    vocab = 8 * TOP_P_CANDIDATES
+    gen = torch.Generator().manual_seed(12)
+    peaked = torch.randn(4, vocab, generator=gen) * 4
+    flat = torch.randn(4, vocab, generator=gen) * 0.1
+    logits = torch.cat([peaked, flat])[torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])]
+    logits[0, 7] = float("-inf")
+    top_p = torch.tensor([0.9, 0.9, 0.5, 0.3, 1.0, 1.0, 0.99, 0.7])
+    ours, expected = apply_top_p(logits, top_p), top_p_by_sort(logits, top_p)
+    assert torch.equal(ours.isinf(), expected.isinf())
+    assert torch.equal(ours[~ours.isinf()], expected[~expected.isinf()])
+    kept = (~ours.isinf()).sum(-1)
+    assert (kept[[1, 3]] > TOP_P_CANDIDATES).all() and (kept[[0, 2]] < TOP_P_CANDIDATES).all()  # both paths ran

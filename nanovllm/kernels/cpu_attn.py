@@ -19,6 +19,10 @@ token) does, per layer:
    (SmolLM2's shapes, 64 sequences, one thread: 0.29 against 0.85 ms a layer at 64
    tokens, 0.72 against 1.67 at 128, 1.67 against 3.79 at 256; benchmarks/RESULTS.md
    "B2 CPU, round 8"); on AVX2 in fp32 the two ran alike (round 6), so SDPA stays there.
+   Small decode steps (at most SDPA_MAX_KEY_ROWS sequence-key pairs, one sequence's
+   whole context up to there) keep SDPA: each bf16 product has a fixed cost of ~20-40 us
+   that the flash kernel does not pay (one sequence at 40-140 tokens: 28-49 against
+   128-137 us a layer; round 9).
    The probabilities are rounded to bf16 before the second product: the outputs differ
    from SDPA's by bf16 rounding (at most 0.008 on unit-normal values there).
 
@@ -30,8 +34,9 @@ layout that interleaves heads (`[num_blocks, block_size, kv_heads, d]` memory, w
 tests and the fp8 calibration allocate) the same code runs, its gather slower.
 
 A mixed step (decodes beside prefill chunks: every serving step while prompts arrive)
-splits: its decodes go through the batched path, its prefill chunks through `torch_ref`
-(once per prompt, not per token). A step of prefills only goes to `torch_ref` whole.
+splits: its decodes go through the batched path, its prefill chunks through
+`cpu_prefill_attn` (once per prompt, not per token: bf16 products where the CPU multiplies
+bf16 fast, else `torch_ref`). A step of prefills only goes to `cpu_prefill_attn` whole.
 Signatures are those of `torch_ref`; tests compare the two. An fp8 cache is gathered as
 bytes and dequantized before the products, as in `torch_ref`.
 """
@@ -41,9 +46,14 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_decode_mirror, kv_quant, torch_ref
+from nanovllm.kernels import cpu_decode_mirror, cpu_prefill_attn, kv_quant, torch_ref
 from nanovllm.kernels.step_memo import once_per_step
 from nanovllm.utils.device import cpu_has_fast_bf16
+
+# Decode steps of at most this many (sequence, key position) pairs attend by SDPA even where
+# the batched bf16 products are faster for larger steps: measured crossover 420-560 pairs on
+# SmolLM2's shapes, one thread, AVX512-BF16 (benchmarks/RESULTS.md "B2 CPU, round 9").
+SDPA_MAX_KEY_ROWS = 512
 
 # Per-thread state (two engines stepping in two threads must not share it): the buffers
 # the gathered K/V are written into, reused by every layer and step instead of allocated
@@ -91,15 +101,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split = _mixed_split(cu_seqlens_q, seq_lens_k, block_tables)
     if split is None:  # fewer than two decodes: nothing to batch
         cpu_decode_mirror.invalidate(k_cache)  # (this step may have stored into blocks the mirror held)
-        return torch_ref.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale,
-                                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                         k_scale=k_scale, v_scale=v_scale)
+        return cpu_prefill_attn.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                                                  scale, k_scale, v_scale)
     decode_rows, decode_lens, decode_tables, prefill_rows, prefill_cu, prefill_lens, prefill_tables = split
     out = torch.empty_like(q)
     out[decode_rows] = decode_attention(q[decode_rows], k_cache, v_cache, decode_lens, decode_tables, scale,
                                         max_seqlen_k, k_scale, v_scale)
-    out[prefill_rows] = torch_ref.paged_attention(q[prefill_rows], k_cache, v_cache, prefill_cu, prefill_lens,
-                                                  prefill_tables, scale, k_scale=k_scale, v_scale=v_scale)
+    out[prefill_rows] = cpu_prefill_attn.prefill_attention(q[prefill_rows], k_cache, v_cache, prefill_cu,
+                                                           prefill_lens, prefill_tables, scale, k_scale, v_scale)
     return out
 
 
@@ -165,31 +174,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v = _gather(v_cache, blocks, unowned, v_scale, q.dtype, "v").unflatten(1, (num_seqs, -1))
         mirror = cpu_decode_mirror.remember(k_cache, v_cache, k, v, block_tables, seq_lens_k)
         if mirror is None:  # not mirrored (yet): attend over the gather
-            return _attend(q, k, v, _key_mask(seq_lens_k, k.shape[2]), scale)
-    if _by_products(q.dtype):
+            by_products = _by_products(q.dtype, num_seqs * k.shape[2])
+            return _attend(q, k, v, _key_mask(seq_lens_k, k.shape[2]), scale, by_products)
+    max_len = cpu_decode_mirror.longest(seq_lens_k)
+    if _by_products(q.dtype, q.shape[0] * max_len):
         # the whole buffers, their zero tail masked: a slice's gap between sequences made the
         # batched products copy K (transposed) and V first, ~2x the products' own time (a
         # profile of 16-row steps at ~130 tokens: 0.30 + 0.09 ms of copies a layer against 0.19 +
         # 0.12 of products), more than the masked tail's slack (MIRROR_SLACK_TOKENS at most) costs
-        return _attend(q, mirror.k, mirror.v, _key_mask(seq_lens_k, mirror.k.shape[2]), scale)
-    max_len = cpu_decode_mirror.longest(seq_lens_k)
-    return _attend(q, mirror.k[:, :, :max_len], mirror.v[:, :, :max_len], _key_mask(seq_lens_k, max_len), scale)
+        return _attend(q, mirror.k, mirror.v, _key_mask(seq_lens_k, mirror.k.shape[2]), scale, True)
+    return _attend(q, mirror.k[:, :, :max_len], mirror.v[:, :, :max_len], _key_mask(seq_lens_k, max_len), scale,
+                   False)
 
 
-def _by_products(dtype: torch.dtype) -> bool:
-    """Whether decode attention runs as two batched products (bf16 where the CPU multiplies
-    bf16 fast: module docstring) rather than SDPA."""
-    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
+def _by_products(dtype: torch.dtype, key_rows: int) -> bool:
+    """Whether a decode step of `key_rows` (sequence, key position) pairs attends by two
+    batched products (bf16 where the CPU multiplies bf16 fast, above SDPA_MAX_KEY_ROWS:
+    module docstring) rather than SDPA."""
+    return dtype == torch.bfloat16 and key_rows > SDPA_MAX_KEY_ROWS and cpu_has_fast_bf16()
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            by_products: bool) -> torch.Tensor:
     """q: [num_seqs, num_heads, d]; k, v: [kv_heads, num_seqs, max_len, d], each [max_len, d] matrix
-    contiguous; mask: additive, [1, num_seqs, 1, max_len] -> [num_seqs, num_heads, d]."""
+    contiguous; mask: additive, [1, num_seqs, 1, max_len] -> [num_seqs, num_heads, d].
+    `by_products`: two batched products around an fp32 softmax instead of SDPA."""
     num_seqs, num_heads, d = q.shape
     num_kv_heads, _, max_len, _ = k.shape
     group = num_heads // num_kv_heads
     q = q.view(num_seqs, num_kv_heads, group, d).transpose(0, 1)  # [kv_heads, num_seqs, group, d]
-    if _by_products(q.dtype):
+    if by_products:
         # two batched bf16 products (oneDNN's, native bf16 dot products) around an fp32 softmax
         scores = torch.matmul(q, k.transpose(-1, -2)).float()      # [kv_heads, num_seqs, group, max_len]
         probs = torch.softmax(scores.mul_(scale).add_(mask), -1).to(v.dtype)

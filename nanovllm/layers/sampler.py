@@ -9,10 +9,13 @@ min_p -> top_k -> top_p -> random draw. Rows whose option is off get a neutral v
 options share one batch; an option no row uses is skipped (its tensor is None),
 and an all-greedy batch is one argmax.
 
-The random draw is the Gumbel-max trick in exponential form: argmax(p / E) with
-E ~ Exp(1) per token samples from p. Seeded rows draw their E from a generator
-seeded per (request seed, position), so their draws depend on nothing else in
-the batch; the other rows share one batched draw from the global RNG. On a GPU,
+The random draw is by inverse CDF: one uniform U per row picks the first token whose
+cumulative probability exceeds U times the row's total (`inverse_cdf`). Seeded rows draw
+their U from a generator seeded per (request seed, position), so their draws depend on
+nothing else in the batch; the other rows share one batched draw from the global RNG.
+(It replaced the Gumbel-max race argmax(p / E), E ~ Exp(1) per token: on the CPU torch's
+`exponential_` took 17 ms for 16 rows of a 49,152-token vocabulary, a sixth of SmolLM2's
+16-row decode step; the inverse CDF ~1 ms; benchmarks/RESULTS.md "B2 CPU, round 9".) On a GPU,
 a batch with no top-k/top-p/min-p row draws with two fused Triton launches instead
 (kernels/triton_sampling.py: inverse CDF of softmax(logits / T), one uniform from
 Philox keyed by a seed per row); that draw reads the grammar bitmask itself, so
@@ -26,15 +29,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from nanovllm.kernels.cpu_argmax import argmax_rows
+from nanovllm.kernels.cpu_argmax import CHUNKS, argmax_rows
 
 if TYPE_CHECKING:  # sampling_metadata imports this module
     from nanovllm.engine.sampling_metadata import SamplingMetadata
 
-# Exp(1) draws are clamped away from 0: p / 0 would be inf (or NaN for a masked
-# token, which argmax would pick).
-MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 MAX_SEED = (1 << 62) - 1  # fused draws' row seeds: base + row stays inside int64
+TOP_P_CANDIDATES = 256    # the most likely tokens a CPU row's top-p set is looked for among first
+TOP_P_MARGIN = 1e-5       # the candidates' mass must pass top_p by more than float32 sums' rounding
 
 
 @dataclass
@@ -117,14 +119,12 @@ class Sampler(nn.Module):
 
     def random_sample(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
         """probs: [num_seqs, vocab]; seeds: row -> seed of its draw -> token ids [num_seqs]."""
-        q = torch.empty_like(probs)
-        if len(seeds) < probs.shape[0]:
-            q.exponential_()  # unseeded rows: one draw from the global RNG
+        uniforms = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)  # unseeded rows
         generator = self._generator(probs.device)
         for row, seed in seeds.items():
             generator.manual_seed(seed)
-            q[row].exponential_(generator=generator)
-        return argmax_rows(probs.div_(q.clamp_min_(MIN_EXPONENTIAL)))
+            uniforms[row] = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device)
+        return inverse_cdf(probs, uniforms)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -205,13 +205,64 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
 
 
 def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    """Keep the smallest set of most likely tokens whose probability reaches top_p.
+
+    On the CPU each row's set is looked for among its TOP_P_CANDIDATES most likely tokens first
+    (`topk`: 3 ms for 16 rows of a 49,152-token vocabulary, against 60 ms to sort them;
+    benchmarks/RESULTS.md "B2 CPU, round 9"): where the candidates hold more than top_p of the
+    row's probability, every other token is dropped, and a candidate is kept while the more likely
+    ones hold less than top_p. Rows whose candidates hold less sort the whole row; rows with
+    top_p = 1 keep every token; on a GPU (where checking the candidates' mass would wait for the
+    device) every row is sorted.
+    """
+    if logits.is_cuda or logits.shape[-1] <= TOP_P_CANDIDATES:
+        return top_p_by_sort(logits, top_p)
+    top_probs, top_ids = torch.softmax(logits, -1).topk(TOP_P_CANDIDATES, -1)  # [num_seqs, k], most likely first
+    more_likely = top_probs.cumsum(-1) - top_probs                      # [num_seqs, k]
+    covered = more_likely[:, -1] + top_probs[:, -1] > top_p + TOP_P_MARGIN  # [num_seqs]
+    kept = logits.gather(1, top_ids).masked_fill(more_likely >= top_p.unsqueeze(1), float("-inf"))
+    out = torch.where(covered.unsqueeze(1), torch.full_like(logits, float("-inf")).scatter_(1, top_ids, kept), logits)
+    rest = (~covered & (top_p < 1)).nonzero().squeeze(1)               # rows the candidates do not settle
+    if len(rest):
+        out[rest] = top_p_by_sort(logits[rest], top_p[rest])
+    return out
+
+
+def top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`apply_top_p` over the whole sorted vocabulary (as HF's TopPLogitsWarper)."""
     sorted_logits, order = logits.sort(-1)                             # ascending
     cumulative = torch.softmax(sorted_logits, -1).cumsum(-1)           # [num_seqs, vocab]
     drop = cumulative <= (1 - top_p).unsqueeze(1)
     drop[:, -1] = False                                                # always keep the top token
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose cumulative probability first exceeds uniforms x the row's total.
+
+    probs: [rows, vocab] >= 0; uniforms: [rows] float64 in [0, 1) -> token ids [rows] int64.
+    In two steps, so that no token's mass is lost to float32 rounding of a long running sum and
+    no [rows, vocab] float64 matrix is made (converting one took most of the draw's time): the
+    chunk holding the target mass, from the chunks' masses (each a float32 sum, accumulated in
+    float64); then the token inside that chunk, from its own float64 running sum. A token of
+    probability 0 is never drawn: the target is below the row's total, and a target at or past
+    the chunk's total as its running sum rounds it takes its last token of positive probability.
+    """
+    rows, vocab = probs.shape
+    chunk = next((c for c in CHUNKS if vocab % c == 0), vocab)
+    chunks = probs.view(rows, vocab // chunk, chunk)                        # [rows, n, chunk]
+    cumulative = chunks.sum(-1).double().cumsum(-1)                         # [rows, n]
+    total = cumulative[:, -1:]
+    below_total = total.nextafter(torch.zeros_like(total))
+    target = torch.minimum(uniforms.unsqueeze(1) * total, below_total)   # [rows, 1]
+    picked = torch.searchsorted(cumulative, target, right=True)             # [rows, 1]: the chunk
+    picked.clamp_max_(vocab // chunk - 1)                                   # (a NaN row's)
+    before = torch.where(picked > 0, cumulative.gather(1, (picked - 1).clamp_min(0)), 0.0)
+    inside = chunks[torch.arange(rows, device=probs.device), picked.squeeze(1)]  # [rows, chunk]
+    index = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), target - before, right=True)
+    last = chunk - 1 - (inside.flip(-1) > 0).int().argmax(-1, keepdim=True)  # its last positive token
+    return (picked * chunk + torch.minimum(index, last)).squeeze(1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
