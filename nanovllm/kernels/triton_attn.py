@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma
-from nanovllm.kernels.triton_paged_tiles import load_kv_tile, split_tile_range
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
@@ -375,10 +375,7 @@ def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
              mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
 
 
-# Arguments that vary at run time are not specialized (Triton would otherwise compile a
-# variant per value of `== 1` and `% 16 == 0`): the block-table width, and the split count
-# with the workspace strides that follow from it.
-@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
+@triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr,

@@ -26,7 +26,7 @@ first). Variants: per model and cache dtype, times split or not.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_paged_tiles import load_kv_tile, split_tile_range
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
@@ -117,7 +117,7 @@ def _load_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2,
     return q.to(tl.float32) * scale_log2                                    # [D]
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
+@triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def decode_fma_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
         q_ptr, k_cache_ptr, v_cache_ptr,

@@ -1,8 +1,14 @@
 """What the attention kernels (`triton_attn`, `triton_decode_fma`) share about a paged cache:
-the gather of one K or V tile through a sequence's block table, and which KV tiles one split
-of a context covers."""
+the gather of one K or V tile through a sequence's block table, which KV tiles one split of a
+context covers, and which of their common run-time arguments are not specialized."""
 import triton
 import triton.language as tl
+
+# Of the arguments both kernels take (triton_attn._launch_args), those that vary at run time and
+# so are not specialized (Triton would otherwise compile a variant per value of `== 1` and
+# `% 16 == 0`): the block-table width, and the split count with the workspace strides that
+# follow from it.
+RUN_TIME_ARGS = ["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"]
 
 
 @triton.jit
