@@ -21,6 +21,24 @@ from nanovllm.kernels.triton_attn import _check_scales, _check_v_layout, fp8_max
 
 
 @triton.jit
+def inv_rms(xf, hidden, eps):
+    """1 / rms of a float32 row of `hidden` values (lanes past it zero)."""
+    return tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+
+
+@triton.jit
+def rms_scaled(x, row_inv_rms, w):
+    """w * x / rms as HF rounds it: x / rms to x's dtype first, then the product."""
+    return (w * (x.to(tl.float32) * row_inv_rms).to(x.dtype)).to(x.dtype)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up: gate float32, silu(gate) rounded to up's dtype before the product."""
+    return (gate / (1 + tl.exp(-gate))).to(up.dtype) * up
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
                      stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
@@ -31,10 +49,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    row_inv_rms = inv_rms(x.to(tl.float32), hidden, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = w * (xf * inv_rms).to(x.dtype)
+    y = rms_scaled(x, row_inv_rms, w)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
@@ -195,7 +212,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.conste
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    y = (gate / (1 + tl.exp(-gate))).to(up.dtype) * up
+    y = silu_mul(gate, up)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 

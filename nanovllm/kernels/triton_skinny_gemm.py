@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.triton_attn import num_sms
+from nanovllm.kernels.triton_ops import inv_rms, rms_scaled, silu_mul
 
 # Rows up to which a dense 16-bit product on the GPU runs here instead of cuBLAS. At one row
 # the kernel beat cuBLAS on all eight decode products of Qwen3-0.6B and Qwen3-8B (0.6B: 3.8-5.0
@@ -65,10 +66,10 @@ SUM_ONCE_TILE = 4096
 
 
 @triton.jit
-def _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
              NORM_BLOCK: tl.constexpr):
-    """1 / rms of the row x (+ residual), summed as triton_ops' RMSNorm kernel sums it;
-    program 0 writes x + residual to res_out."""
+    """1 / rms of the row x (+ residual), as triton_ops' RMSNorm kernel computes it; program 0
+    writes x + residual to res_out."""
     ks = tl.arange(0, NORM_BLOCK)
     k_ok = ks < K
     x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
@@ -76,12 +77,11 @@ def _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K: tl.constexpr, HAS_RESIDUAL: tl
         x = x + tl.load(res_ptr + ks, mask=k_ok, other=0.0)
         if tl.program_id(0) == 0:
             tl.store(res_out_ptr + ks, x, mask=k_ok)
-    xf = x.to(tl.float32)
-    return tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+    return inv_rms(x.to(tl.float32), K, eps)
 
 
 @triton.jit
-def _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, row_start, ks, x_ok,
+def _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, row_start, ks, x_ok,
             NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """Elements `ks` of a row of x as the product reads them (float32): x itself, or with NORM
     norm_w * (x + residual) / rms, rounded to x's dtype where triton_ops' RMSNorm rounds."""
@@ -89,8 +89,7 @@ def _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, row_start, ks, x_ok,
     if NORM:
         if HAS_RESIDUAL:
             x = x + tl.load(res_ptr + ks, mask=x_ok, other=0.0)
-        normed = (x.to(tl.float32) * inv_rms).to(x.dtype)
-        x = (tl.load(norm_w_ptr + ks, mask=x_ok, other=0.0) * normed).to(normed.dtype)
+        x = rms_scaled(x, row_inv_rms, tl.load(norm_w_ptr + ks, mask=x_ok, other=0.0))
     return x.to(tl.float32)
 
 
@@ -113,9 +112,9 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
-    inv_rms = 1.0
+    row_inv_rms = 1.0
     if NORM:
-        inv_rms = _inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, NORM_BLOCK)
+        row_inv_rms = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, NORM_BLOCK)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]; the gate's when GATED
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     part = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SUM_ONCE's partials
@@ -130,14 +129,14 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         if GATED:
             w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         if SUM_ONCE:
-            x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, 0, ks, k_ok, NORM, HAS_RESIDUAL)
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, 0, ks, k_ok, NORM, HAS_RESIDUAL)
             part += w * x[None, :]
             if GATED:
                 part_up += w_up * x[None, :]
         else:
             for m in tl.static_range(BLOCK_M):
                 x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
-                x = _load_x(x_ptr, res_ptr, norm_w_ptr, inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
+                x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
                 acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
                 if GATED:
                     acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
@@ -148,8 +147,7 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(y_ptr.dtype.element_ty)
     if GATED:
-        gate = y.to(tl.float32)
-        y = (gate / (1 + tl.exp(-gate))).to(y_ptr.dtype.element_ty) * acc_up.to(y_ptr.dtype.element_ty)
+        y = silu_mul(y.to(tl.float32), acc_up.to(y_ptr.dtype.element_ty))
     out = y_ptr + rows[None, :] * stride_ym + cols[:, None]
     tl.store(out, y, mask=col_ok[:, None] & (rows[None, :] < num_rows))
 
