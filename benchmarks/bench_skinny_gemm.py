@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_long_context import tile_constants  # noqa: E402
 from bench_offline import copy_bandwidth  # noqa: E402
 from nanovllm.kernels import triton_skinny_gemm  # noqa: E402
 
@@ -53,15 +54,10 @@ def time_chain(fn, xs, ws) -> float:
 
 
 def skinny_with(constants: dict):
+    """The skinny product with the module's constants set to `constants` for each call."""
     def fn(x, w):
-        saved = {k: getattr(triton_skinny_gemm, k) for k in constants}
-        for k, v in constants.items():
-            setattr(triton_skinny_gemm, k, v)
-        try:
+        with tile_constants(triton_skinny_gemm, **constants):
             return triton_skinny_gemm.skinny_linear(x, w, None)
-        finally:
-            for k, v in saved.items():
-                setattr(triton_skinny_gemm, k, v)
     return fn
 
 
