@@ -209,7 +209,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
     residual, norm_weight, res_out = norm if norm is not None else (None, x, x)
     bn = block_n(n, num_sms(x.device))
     sum_once = SUM_ONCE and num_rows == 1
-    bk = min(BLOCK_K, triton.next_power_of_2(k), SUM_ONCE_TILE // bn if sum_once else BLOCK_K)
+    bk = min(BLOCK_K, triton.next_power_of_2(k))
+    if sum_once:  # its partials: at most SUM_ONCE_TILE elements
+        bk = min(bk, SUM_ONCE_TILE // bn)
     unrolled = k <= UNROLLED_MAX_K
     _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
         x, x if residual is None else residual, norm_weight, res_out, weight, y if bias is None else bias, y,
