@@ -313,12 +313,15 @@ def main():
 
 
 def set_attn_constants(constants: dict) -> None:
-    """Set tile constants of the attention kernels (in this process: tensor parallelism 1)."""
-    from nanovllm.kernels import triton_attn
-    for name, value in constants.items():
-        if not hasattr(triton_attn, name):
-            raise ValueError(f"kernels/triton_attn.py has no constant {name!r}")
-        setattr(triton_attn, name, value)
+    """Set module constants of the kernels (in this process: tensor parallelism 1): a plain name
+    is kernels/triton_attn.py's, "module.NAME" another kernels module's (e.g. "triton_pdl.ENABLED")."""
+    import importlib
+    for key, value in constants.items():
+        module_name, _, name = key.rpartition(".")
+        module = importlib.import_module(f"nanovllm.kernels.{module_name or 'triton_attn'}")
+        if not hasattr(module, name):
+            raise ValueError(f"kernels/{module.__name__.rpartition('.')[2]}.py has no constant {name!r}")
+        setattr(module, name, value)
 
 
 def _later_call(llm, prompts, params, first_tok_per_s: float, variants: VariantCounter) -> dict:

@@ -12,6 +12,7 @@ measures them in the engine).
 
     python benchmarks/bench_skinny_gemm.py
     python benchmarks/bench_skinny_gemm.py --rows 1,2,4,8 --variants '{"k1024": {"BLOCK_K": 1024}}'
+    python benchmarks/bench_skinny_gemm.py --rows 1 --variants '{"looped": {"WHOLE_ROW_MAX_BYTES": 0}, "no_pdl": {"PDL": false}}'
 """
 import argparse
 import json
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_long_context import tile_constants  # noqa: E402
 from bench_offline import copy_bandwidth  # noqa: E402
-from nanovllm.kernels import triton_skinny_gemm  # noqa: E402
+from nanovllm.kernels import triton_pdl, triton_skinny_gemm  # noqa: E402
 
 # (name, N, K) of each model's decode products
 SHAPES = {
@@ -54,9 +55,13 @@ def time_chain(fn, xs, ws) -> float:
 
 
 def skinny_with(constants: dict):
-    """The skinny product with the module's constants set to `constants` for each call."""
+    """The skinny product with the module's constants set to `constants` for each call
+    ("PDL": kernels/triton_pdl.py's ENABLED)."""
+    constants = dict(constants)
+    pdl = constants.pop("PDL", triton_pdl.ENABLED)
+
     def fn(x, w):
-        with tile_constants(triton_skinny_gemm, **constants):
+        with tile_constants(triton_skinny_gemm, **constants), tile_constants(triton_pdl, ENABLED=pdl):
             return triton_skinny_gemm.skinny_linear(x, w, None)
     return fn
 

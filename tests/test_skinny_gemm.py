@@ -121,22 +121,36 @@ def _assert_same_rounding(y: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("whole_row_max_bytes", [0, 1 << 30])
 @pytest.mark.parametrize("n,k", [(41, 96), (130, 1100), (64, 3072)])
-def test_sum_once_variant(monkeypatch, n, k):
-    """SUM_ONCE (one row's sums over K after the loop, BLOCK_K shrunk to SUM_ONCE_TILE) against
-    F.linear, plain and with the norm and gate fused in; rows > 1 keep the per-iteration sums."""
+def test_whole_row_and_looped_forms(monkeypatch, whole_row_max_bytes, n, k):
+    """One row in either form (WHOLE_ROW_MAX_BYTES 0: always looped; 1 GiB: always the whole slab
+    at once) against F.linear, plain and with the norm and gate fused in; rows > 1 always loop."""
     from nanovllm.kernels import fused_ops, triton_skinny_gemm
-    monkeypatch.setattr(triton_skinny_gemm, "SUM_ONCE", True)
+    monkeypatch.setattr(triton_skinny_gemm, "WHOLE_ROW_MAX_BYTES", whole_row_max_bytes)
     _check(1, n, k, torch.float16, bias=True)
     _check(2, n, k, torch.float16, bias=False)
     g = torch.Generator().manual_seed(n + k)
     x, residual = (torch.randn(1, k, generator=g).to(torch.float16).to(DEVICE) for _ in range(2))
-    norm_w = torch.ones(k, dtype=torch.float16, device=DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.float16).to(DEVICE)
     w = (torch.randn(2 * n, k, generator=g) / k ** 0.5).to(torch.float16).to(DEVICE)
-    y, _ = triton_skinny_gemm.skinny_norm_linear(x, residual, norm_w, 1e-6, w, None, gated=True)
+    y, new_residual = triton_skinny_gemm.skinny_norm_linear(x, residual, norm_w, 1e-6, w, None, gated=True)
+    assert torch.equal(new_residual, x + residual)
     gate, up = F.linear(fused_ops._rms_norm_torch(x + residual, norm_w, 1e-6).double(), w.double()).chunk(2, -1)
     ref = F.silu(gate) * up
     assert (y.double() - ref).abs().max().item() / ref.abs().max().item() < 2 * TOL[torch.float16]
+
+
+@needs_kernels
+def test_whole_row_form_for_small_slabs_only():
+    """With 132 multiprocessors, Qwen3-0.6B's four layer products (bf16) take the whole-row form;
+    the Qwen3-8B's down product, a 151,936-row LM head and any two-row product loop."""
+    from nanovllm.kernels.triton_skinny_gemm import block_n, whole_row
+    def takes(n, k, gated=False, rows=1):
+        return whole_row(rows, block_n(n, 132), k, gated, 2)
+    assert all(takes(n, k, g) for n, k, g in [(4096, 1024, False), (1024, 2048, False), (3072, 1024, True),
+                                              (1024, 3072, False)])
+    assert not takes(4096, 12288) and not takes(151936, 1024) and not takes(4096, 1024, rows=2)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="no kernel: runs in the parent process only")

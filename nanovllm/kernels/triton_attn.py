@@ -77,6 +77,7 @@ import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma
 from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
+from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
@@ -388,13 +389,15 @@ def _unified_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
-        PV_MMA: tl.constexpr):
+        PV_MMA: tl.constexpr, PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
     side: they share its block-table rows, and the cache rows they read lie together
     (a token's heads are adjacent in the cache). Sequence-major order was 2.7% slower
     over B1's decode batches (RESULTS.md "B1")."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(2)
     kv_head = tl.program_id(1) // num_splits
@@ -481,9 +484,12 @@ def _unified_attention_kernel(
 @triton.jit(do_not_specialize=["stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"])
 def _combine_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr,
                            stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
-                           SPLITS_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                           SPLITS_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                           PDL: tl.constexpr):
     """One program per (token, head): weight each split's output by its softmax mass, over
     the splits SPLITS_BLOCK at a time (online rescaling), so one compile serves any count."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -687,7 +693,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
-        **cfg)
+        **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
@@ -754,7 +760,8 @@ def _combine(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, 
     _combine_splits_kernel[(num_tokens, num_heads)](
         out, part_out, part_lse, out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
-        SPLITS_BLOCK=COMBINE_SPLITS_BLOCK, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad)
+        SPLITS_BLOCK=COMBINE_SPLITS_BLOCK, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        **launch_options(out.device))
 
 
 def _split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim_pad: int,

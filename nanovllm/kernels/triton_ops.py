@@ -18,6 +18,7 @@ import triton.language as tl
 
 from nanovllm.kernels.fused_ops import KVStore
 from nanovllm.kernels.triton_attn import _check_scales, _check_v_layout, fp8_max, quantize_fp8
+from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 
 @triton.jit
@@ -40,8 +41,11 @@ def silu_mul(gate, up):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -63,7 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
+        x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
+        **launch_options(x.device))
     return out if residual is None else (out, res_out)
 
 
@@ -115,11 +120,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
                          HALF: tl.constexpr, HAS_NORM: tl.constexpr,
                          BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
                          STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                         KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Two programs per token (one launch for both): its q heads (program 0 of axis 1), and its
     k heads (program 1); with STORE_KV, the latter also writes the token's rotated k and its v
     into their cache slot (none for slot -1), quantized with each head's scale for an fp8
     cache (KV_FP8)."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
@@ -202,7 +209,8 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache_strides,
         num_heads, k.shape[1], eps, HALF=head_dim // 2, HAS_NORM=q_weight is not None,
         BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        STORE_KV=kv_store is not None, PAGE_SIZE=page_size, KV_FP8=kv_fp8, FP8_MAX=fp8_max(k_cache))
+        STORE_KV=kv_store is not None, PAGE_SIZE=page_size, KV_FP8=kv_fp8, FP8_MAX=fp8_max(k_cache),
+        **launch_options(q.device))
 
 
 @triton.jit

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from nanovllm.kernels.triton_attn import num_sms
 from nanovllm.kernels.triton_ops import inv_rms, rms_scaled, silu_mul
+from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 # Rows up to which a dense 16-bit product on the GPU runs here instead of cuBLAS. At one row
 # the kernel beat cuBLAS on all eight decode products of Qwen3-0.6B and Qwen3-8B (0.6B: 3.8-5.0
@@ -57,12 +58,12 @@ PIPELINE_STAGES = 3
 PROGRAMS_PER_SM = 4    # BLOCK_N is the largest power of two that leaves at least this many
 MIN_BLOCK_N = 2        # programs a multiprocessor, within [MIN_BLOCK_N, MAX_BLOCK_N]
 MAX_BLOCK_N = 32
-# One row's products summed over K once after the loop, from [BLOCK_N, BLOCK_K] partials of at
-# most SUM_ONCE_TILE elements (BLOCK_K shrinks to fit), instead of once an iteration: in the sm_90
-# code the per-iteration sums cross the warps through shared memory and hold back the next
-# iteration's loads (RESULTS.md "Thirteenth session"). Off: not yet timed on a GPU.
-SUM_ONCE = False
-SUM_ONCE_TILE = 4096
+# One row whose program's weight slab ([BLOCK_N, K], gate and up together) takes at most this many
+# bytes loads it whole, before waiting for the kernel ahead (triton_pdl), and sums it over K once:
+# 16 KiB is 32 registers a thread of NUM_WARPS warps (every Qwen3-0.6B layer product; the 8B's
+# and the LM head's slabs are larger and loop). In the looped form's sm_90 code each iteration's
+# sum crosses the warps through shared memory and holds back the next iteration's loads.
+WHOLE_ROW_MAX_BYTES = 16 * 1024
 
 
 @triton.jit
@@ -93,34 +94,44 @@ def _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, row_start, ks, x_ok,
     return x.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr,
-                        num_rows, N, stride_xm, stride_wn, stride_ym, eps,
-                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                        GATED: tl.constexpr, SUM_ONCE: tl.constexpr):
-    """y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for BLOCK_N features n and every row m.
+@triton.jit
+def _whole_row(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_rows, up_rows, col_ok, eps,
+               K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               GATED: tl.constexpr, PDL: tl.constexpr):
+    """One row against the program's whole weight slab, loaded before waiting for the kernel
+    ahead (triton_pdl) and summed over K once. Returns (acc, acc_up), each [BLOCK_N, 1]."""
+    ks = tl.arange(0, K_PAD)
+    k_ok = ks < K
+    w_ok = col_ok[:, None] & k_ok[None, :]
+    w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0)  # [BLOCK_N, K_PAD], the weight's dtype
+    w_up = w
+    if GATED:
+        w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
+    wait_for_prior_grid(PDL)
+    row_inv_rms = 1.0
+    if NORM:
+        row_inv_rms = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, K_PAD)
+    x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, 0, ks, k_ok, NORM, HAS_RESIDUAL)  # [K_PAD]
+    acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[:, None]
+    acc_up = acc
+    if GATED:
+        acc_up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)[:, None]
+    return acc, acc_up
 
-    NORM (one row): x is first RMSNorm(x (+ residual)) with weight norm_w (`_load_x`).
-    GATED: w holds gate (rows 0..N-1) and up (rows N..2N-1), and y = silu(x gate^T) * (x up^T),
-    each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them.
-    SUM_ONCE (one row): the products gathered in [BLOCK_N, BLOCK_K] partials and summed over K
-    once after the loop, instead of once an iteration."""
-    tl.static_assert(BLOCK_M == 1 or not NORM, "the fused RMSNorm takes one row")
-    tl.static_assert(BLOCK_M == 1 or not SUM_ONCE, "SUM_ONCE takes one row")
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-    col_ok = cols < N
+
+@triton.jit
+def _looped(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_rows, up_rows, col_ok, num_rows, stride_xm, eps,
+            K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+            NORM_BLOCK: tl.constexpr, GATED: tl.constexpr):
+    """Every row against the program's weight rows, BLOCK_K elements of K at a time, each
+    iteration's products summed as it goes. Returns (acc, acc_up), each [BLOCK_N, BLOCK_M]."""
     rows = tl.arange(0, BLOCK_M)
     row_inv_rms = 1.0
     if NORM:
         row_inv_rms = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, eps, K, HAS_RESIDUAL, NORM_BLOCK)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # [features, rows]; the gate's when GATED
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    part = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)  # SUM_ONCE's partials
-    part_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # GATED: the up half's rows
     for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -128,26 +139,48 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         w = tl.load(w_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
         if GATED:
             w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        if SUM_ONCE:
-            x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, 0, ks, k_ok, NORM, HAS_RESIDUAL)
-            part += w * x[None, :]
+        for m in tl.static_range(BLOCK_M):
+            x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
+            x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
+            acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
             if GATED:
-                part_up += w_up * x[None, :]
-        else:
-            for m in tl.static_range(BLOCK_M):
-                x_ok = k_ok & (tl.zeros_like(ks) + m < num_rows)  # a row past num_rows: zeros
-                x = _load_x(x_ptr, res_ptr, norm_w_ptr, row_inv_rms, m * stride_xm, ks, x_ok, NORM, HAS_RESIDUAL)
-                acc += tl.where(rows[None, :] == m, tl.sum(w * x[None, :], axis=1)[:, None], 0.0)
-                if GATED:
-                    acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
-    if SUM_ONCE:
-        acc = tl.sum(part, axis=1)[:, None]
-        acc_up = tl.sum(part_up, axis=1)[:, None]
+                acc_up += tl.where(rows[None, :] == m, tl.sum(w_up * x[None, :], axis=1)[:, None], 0.0)
+    return acc, acc_up
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr,
+                        num_rows, N, stride_xm, stride_wn, stride_ym, eps,
+                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        UNROLL: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                        GATED: tl.constexpr, WHOLE_ROW: tl.constexpr, PDL: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for BLOCK_N features n and every row m.
+
+    NORM (one row): x is first RMSNorm(x (+ residual)) with weight norm_w (`_load_x`).
+    GATED: w holds gate (rows 0..N-1) and up (rows N..2N-1), and y = silu(x gate^T) * (x up^T),
+    each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them.
+    WHOLE_ROW (one row, K_PAD = NORM_BLOCK): `_whole_row`; else `_looped`."""
+    tl.static_assert(BLOCK_M == 1 or not (NORM or WHOLE_ROW), "the fused RMSNorm and WHOLE_ROW take one row")
+    launch_dependents(PDL)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    col_ok = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn  # GATED: the up half's rows
+    if WHOLE_ROW:
+        acc, acc_up = _whole_row(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_rows, up_rows, col_ok, eps,
+                                 K, NORM_BLOCK, NORM, HAS_RESIDUAL, GATED, PDL)
+    else:
+        wait_for_prior_grid(PDL)
+        acc, acc_up = _looped(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_rows, up_rows, col_ok, num_rows,
+                              stride_xm, eps, K, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL, NUM_STAGES, NORM,
+                              HAS_RESIDUAL, NORM_BLOCK, GATED)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     y = acc.to(y_ptr.dtype.element_ty)
     if GATED:
         y = silu_mul(y.to(tl.float32), acc_up.to(y_ptr.dtype.element_ty))
+    rows = tl.arange(0, BLOCK_M)
     out = y_ptr + rows[None, :] * stride_ym + cols[:, None]
     tl.store(out, y, mask=col_ok[:, None] & (rows[None, :] < num_rows))
 
@@ -166,6 +199,12 @@ def block_n(num_features: int, num_sms: int) -> int:
     while n > MIN_BLOCK_N and triton.cdiv(num_features, n) < PROGRAMS_PER_SM * num_sms:
         n //= 2
     return n
+
+
+def whole_row(num_rows: int, bn: int, k: int, gated: bool, element_size: int) -> bool:
+    """Whether a product runs in the whole-row form: one row, and a program's weight slab
+    ([bn, k] padded to a power of two, gate and up together) within WHOLE_ROW_MAX_BYTES."""
+    return num_rows == 1 and (2 if gated else 1) * bn * triton.next_power_of_2(k) * element_size <= WHOLE_ROW_MAX_BYTES
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -208,16 +247,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, no
     # pointers the kernel's flags leave unread (no norm, no residual, no bias) get any tensor
     residual, norm_weight, res_out = norm if norm is not None else (None, x, x)
     bn = block_n(n, num_sms(x.device))
-    sum_once = SUM_ONCE and num_rows == 1
     bk = min(BLOCK_K, triton.next_power_of_2(k))
-    if sum_once:  # its partials: at most SUM_ONCE_TILE elements
-        bk = min(bk, SUM_ONCE_TILE // bn)
     unrolled = k <= UNROLLED_MAX_K
+    k_pad = triton.next_power_of_2(k)
     _skinny_gemm_kernel[(triton.cdiv(n, bn),)](
         x, x if residual is None else residual, norm_weight, res_out, weight, y if bias is None else bias, y,
         num_rows, n, x.stride(0), weight.stride(0), y.stride(0), eps,
         K=k, BLOCK_M=triton.next_power_of_2(num_rows), BLOCK_N=bn, BLOCK_K=bk,
         UNROLL=triton.cdiv(k, bk) if unrolled else 1, NUM_STAGES=1 if unrolled else PIPELINE_STAGES,
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RESIDUAL=residual is not None,
-        NORM_BLOCK=triton.next_power_of_2(k), GATED=gated, SUM_ONCE=sum_once, num_warps=NUM_WARPS)
+        NORM_BLOCK=k_pad, GATED=gated, WHOLE_ROW=whole_row(num_rows, bn, k, gated, weight.element_size()),
+        num_warps=NUM_WARPS, **launch_options(x.device))
     return y
