@@ -6,6 +6,7 @@ each configuration moves and the KV capacity (tokens) each engine got.
     python benchmarks/bench_fp8.py b1              # B1 (Qwen3-0.6B shape): bf16 KV, then fp8 KV
     python benchmarks/bench_fp8.py b1-fp8          # B1 with the fp8 KV cache only
     python benchmarks/bench_fp8.py b1-8b           # Qwen3-8B shape: bf16, then fp8 weights + fp8 KV
+    python benchmarks/bench_fp8.py b1-8b --profile # each B1 then run again under torch.profiler: GPU time by kernel
 
 B1 runs as bench_offline.py's: dummy weights, 256 prompts (seed 0), an untimed warm-up on
 other prompts (seed 1, so the timed prompts are fresh for the prefix cache) after each
@@ -14,6 +15,7 @@ bytes a decode-only schedule must move at its own element sizes: linear weights 
 with fp8 weights (embeddings, LM head and norms stay bf16), K/V at 1 byte with an fp8 cache.
 Prints one JSON line per result.
 """
+import argparse
 import gc
 import json
 import os
@@ -25,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, workload  # noqa: E402
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_attn_constants, workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -98,7 +100,7 @@ def roofline_bytes(cfg: dict, prompts, params, weight_bytes: int, kv_bytes: int)
     return steps * weights + (reads + writes) * 2 * L * kv * kv_bytes
 
 
-def run_b1(cfg: dict, name: str, bandwidth: float, **engine) -> dict:
+def run_b1(cfg: dict, name: str, bandwidth: float, profiled: bool = False, **engine) -> dict:
     prompts, params = workload(256, 1024, 1024)
     seed(1)  # fresh prompts for the warm-up: the timed ones must not hit the prefix cache
     warm_prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(WARMUP_PROMPTS)]
@@ -123,6 +125,8 @@ def run_b1(cfg: dict, name: str, bandwidth: float, **engine) -> dict:
                   kv_blocks=runner.num_kvcache_blocks, kv_tokens=runner.num_kvcache_blocks * runner.block_size,
                   gpu_memory_utilization=0.9, device=torch.cuda.get_device_name())
     print(json.dumps(result), flush=True)
+    if profiled:  # the same prompts again: their prefills are prefix-cache hits, the decodes as timed
+        profile(llm, prompts, params)
     del llm, runner, outs
     gc.collect()
     torch.cuda.empty_cache()
@@ -130,21 +134,27 @@ def run_b1(cfg: dict, name: str, bandwidth: float, **engine) -> dict:
 
 
 def main() -> None:
-    part = sys.argv[1]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=["gemm", "b1", "b1-fp8", "b1-8b"])
+    ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each B1, run again")
+    ap.add_argument("--attn-constants", metavar="JSON", default="{}",
+                    help="kernel module constants to set first, as bench_offline.py's option")
+    args = ap.parse_args()
+    set_attn_constants(json.loads(args.attn_constants))
+    part, profiled = args.part, args.profile
     if part == "gemm":
         return gemm()
     bandwidth = copy_bandwidth()
     print(json.dumps(dict(bench="copy_bandwidth", tb_per_s=round(bandwidth / 1e12, 3))), flush=True)
     if part in ("b1", "b1-fp8"):
         if part == "b1":
-            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth)
-        run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, kv_cache_dtype="fp8")
+            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth, profiled)
+        run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, profiled, kv_cache_dtype="fp8")
     elif part == "b1-8b":
-        bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth)
-        fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, quantization="fp8", kv_cache_dtype="fp8")
+        bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth, profiled)
+        fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8",
+                     kv_cache_dtype="fp8")
         print(json.dumps(dict(bench="B1-8b-speedup", speedup=round(fp8["tok_per_s"] / bf16["tok_per_s"], 3))))
-    else:
-        raise SystemExit(f"unknown part {part!r}: gemm, b1, b1-fp8 or b1-8b")
 
 
 if __name__ == "__main__":
