@@ -97,6 +97,12 @@ VARIANTS = {
     "split16_hm": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "heads_major"),
     "n64s4_hm": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "heads_major"),
     "lpt": ({}, "tokens_major", "longest_first"),
+    # the CUDA-core kernel (an fp8 cache's default) loading a tile's block ids (1) or its K/V (2) one
+    # tile ahead (DECODE_FMA_PREFETCH), and four heads a program (DECODE_FMA_HEADS: groups of 4)
+    "fma_pf1": (dict(DECODE_FMA_PREFETCH=1), "tokens_major"),
+    "fma_n16": (dict(DECODE_FMA_BLOCK_N=16), "tokens_major"),
+    "fma_pf2_n16": (dict(DECODE_FMA_PREFETCH=2, DECODE_FMA_BLOCK_N=16), "tokens_major"),
+    "fma_pf1_n64": (dict(DECODE_FMA_PREFETCH=1, DECODE_FMA_BLOCK_N=64), "tokens_major"),
     # both products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT: q and P in e4m3, transposed
     # wgmma tiles, V key-minor), in the engine's fp8 row order (longest first); registers offline
     # (attn_sass.py --kv fp8:mma): 128/4/3 245, 64/4/3 168, 128/8/3 168 (8 warps)

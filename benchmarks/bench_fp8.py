@@ -7,6 +7,7 @@ each configuration moves and the KV capacity (tokens) each engine got.
     python benchmarks/bench_fp8.py b1-fp8          # B1 with the fp8 KV cache only
     python benchmarks/bench_fp8.py b1-8b           # Qwen3-8B shape: bf16, then fp8 weights + fp8 KV
     python benchmarks/bench_fp8.py b1-8b --profile # each B1 then run again under torch.profiler: GPU time by kernel
+    python benchmarks/bench_fp8.py b1-8b-fp8       # Qwen3-8B shape, fp8 weights + fp8 KV only
 
 B1 runs as bench_offline.py's: dummy weights, 256 prompts (seed 0), an untimed warm-up on
 other prompts (seed 1, so the timed prompts are fresh for the prefix cache) after each
@@ -135,7 +136,7 @@ def run_b1(cfg: dict, name: str, bandwidth: float, profiled: bool = False, **eng
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["gemm", "b1", "b1-fp8", "b1-8b"])
+    ap.add_argument("part", choices=["gemm", "b1", "b1-fp8", "b1-8b", "b1-8b-fp8"])
     ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each B1, run again")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernel module constants to set first, as bench_offline.py's option")
@@ -150,6 +151,8 @@ def main() -> None:
         if part == "b1":
             run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth, profiled)
         run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, profiled, kv_cache_dtype="fp8")
+    elif part == "b1-8b-fp8":
+        run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8", kv_cache_dtype="fp8")
     elif part == "b1-8b":
         bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth, profiled)
         fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8",
