@@ -755,7 +755,7 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
         PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D, PREFETCH=DECODE_FMA_PREFETCH,
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
-        **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}))
+        **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}), **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, gather_kv_tile, load_kv_tile, split_tile_range,
                                                  tile_blocks)
+from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
@@ -160,10 +161,12 @@ def decode_fma_kernel(
         QPK: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
-        PREFETCH: tl.constexpr):
+        PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """Grid: (KV heads x programs per group x splits, sequences). One program: HEADS query heads
     of one sequence and one KV head over one split of its context; a group of more query heads
     than HEADS reads its K/V once per program."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     per_group = tl.cdiv(QPK, HEADS)
     seq = tl.program_id(1)
     kv_head = tl.program_id(0) // (per_group * num_splits)
