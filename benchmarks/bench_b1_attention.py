@@ -97,12 +97,7 @@ VARIANTS = {
     "split16_hm": (dict(TARGET_PROGRAMS_PER_SM=16, MIN_KEYS_PER_SPLIT=512), "heads_major"),
     "n64s4_hm": (dict(DECODE_BLOCK_N=64, DECODE_NUM_STAGES=4), "heads_major"),
     "lpt": ({}, "tokens_major", "longest_first"),
-    # the CUDA-core kernel (an fp8 cache's default) loading a tile's block ids (1) or its K/V (2) one
-    # tile ahead (DECODE_FMA_PREFETCH), and four heads a program (DECODE_FMA_HEADS: groups of 4)
-    "fma_pf1": (dict(DECODE_FMA_PREFETCH=1), "tokens_major"),
-    "fma_n16": (dict(DECODE_FMA_BLOCK_N=16), "tokens_major"),
-    "fma_pf2_n16": (dict(DECODE_FMA_PREFETCH=2, DECODE_FMA_BLOCK_N=16), "tokens_major"),
-    "fma_pf1_n64": (dict(DECODE_FMA_PREFETCH=1, DECODE_FMA_BLOCK_N=64), "tokens_major"),
+    "nopdl": ({"triton_pdl.ENABLED": False}, "tokens_major"),  # kernels/triton_pdl.py off
     # both products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT: q and P in e4m3, transposed
     # wgmma tiles, V key-minor), in the engine's fp8 row order (longest first); registers offline
     # (attn_sass.py --kv fp8:mma): 128/4/3 245, 64/4/3 168, 128/8/3 168 (8 warps)
@@ -261,12 +256,19 @@ def time_step(tables: list[list[int]], ctx: list[int], caches, ta: ModuleType) -
     return triton.testing.do_bench_cudagraph(step, rep=REP_MS) / 1e3
 
 
+def _target(ta: ModuleType, key: str) -> tuple[ModuleType, str]:
+    """(module, name) a variant's constant `key` sets: triton_attn's, or "module.NAME" of another
+    kernels module (e.g. "triton_pdl.ENABLED")."""
+    module_name, _, name = key.rpartition(".")
+    return (importlib.import_module(f"nanovllm.kernels.{module_name}") if module_name else ta), name
+
+
 def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: torch.dtype = torch.bfloat16,
                 ta: ModuleType = engine_kernels) -> dict:
     constants, layout, *order = VARIANTS[name]
-    saved = {k: getattr(ta, k) for k in constants}
+    saved = {k: getattr(*_target(ta, k)) for k in constants}
     for k, v in constants.items():
-        setattr(ta, k, v)
+        setattr(*_target(ta, k), v)
     try:
         caches = kv_caches(num_blocks, layout, dtype, ta)
         total_s, total_bytes, by_batch = 0.0, 0, {}
@@ -286,7 +288,7 @@ def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: to
         torch.cuda.empty_cache()
     finally:
         for k, v in saved.items():
-            setattr(ta, k, v)
+            setattr(*_target(ta, k), v)
     return {"variant": name, "kv_cache_dtype": str(dtype).removeprefix("torch."), "attention_s": round(total_s, 3),
             "fraction_of_copy_bw": round(total_bytes / bandwidth / total_s, 3),
             "by_batch": {b: [round(s, 3), round(nb / bandwidth / s, 3)] for b, (s, nb) in sorted(by_batch.items())}}

@@ -93,12 +93,6 @@ VARIANTS = {
     # four heads a program: a group of 4 in one program, of 3 with a masked head, of 8 in two
     "fma_heads4": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_MAX_GROUP=8, DECODE_FMA_HEADS=4),
                    "plain", "plain", ["decode_split3", "decode_gqa3_d40", "decode_gqa8_split2"]),
-    # K/V or block ids loaded a tile ahead, over several full tiles a split (16-key tiles)
-    "fma_prefetch1": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_PREFETCH=1, DECODE_FMA_BLOCK_N=16),
-                      "plain", "plain", ["decode_gqa2_split2", "decode_gqa3_d40"]),
-    "fma_prefetch2": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_PREFETCH=2, DECODE_FMA_BLOCK_N=16,
-                           DECODE_FMA_MAX_GROUP=8, DECODE_FMA_HEADS=4),
-                      "heads_major", "key_minor", ["decode_gqa2_split2", "decode_split3", "decode_gqa8_split2"]),
     "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2,
                               DECODE_FMA_MAX_GROUP=8), "heads_major", "key_minor", ["decode_split3"]),
     "fma_pv16": (dict(DECODE_FMA_FP8=True, DECODE_FMA_PV_FP16=True), "plain", "plain", ["decode_gqa2_split2"]),

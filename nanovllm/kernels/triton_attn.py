@@ -190,10 +190,6 @@ DECODE_FMA_MAX_GROUP = 2
 # Query heads a program of that kernel computes (2 or 4) where the group has more than 2: at 4 a
 # group of 3 or 4 reads its K/V once instead of twice, at more registers a program.
 DECODE_FMA_HEADS = 2
-# What that kernel loads one tile ahead (0: nothing; 1: the block ids; 2: the block ids two tiles
-# ahead and K/V one), so that a tile's loads are in flight while the one before it is computed;
-# in its sm_90 code each tile's K/V loads wait on its block-table load, in turn.
-DECODE_FMA_PREFETCH = 0
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -753,7 +749,7 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         QPK=qpk, HEADS=heads, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
-        PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D, PREFETCH=DECODE_FMA_PREFETCH,
+        PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D,
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
         **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}), **launch_options(q.device))
     if num_splits > 1:

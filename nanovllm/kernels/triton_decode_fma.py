@@ -26,8 +26,7 @@ first). Variants: per model and cache dtype, times split or not.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, gather_kv_tile, load_kv_tile, split_tile_range,
-                                                 tile_blocks)
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
@@ -68,54 +67,37 @@ def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr)
 
 
 @triton.jit
-def _attend_tile(acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, k, v, positions, ctx_len,
-                 MASKED: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr, HEADS: tl.constexpr):
-    """One online-softmax step of the program's HEADS query heads over the K/V tile k, v
-    [BLOCK_N, D] (the cache's dtype) at `positions` (heads 2 and 3 pass through untouched when
-    HEADS is 2). q [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`.
-    Written per head on 2-D tiles only: the scores come out in the layout of the tile's rows,
-    which is the layout p needs against V, so no tile changes layout (a [heads, keys, D]
-    broadcast did, through shared memory, and ran at a third of the copy bandwidth)."""
-    k = k.to(tl.float32)                                                    # [BLOCK_N, D]
+def _attend_tile(acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
+                 k_cache_ptr, v_cache_ptr, block_table_ptr,
+                 stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr,
+                 PV_FP16: tl.constexpr, HEADS: tl.constexpr):
+    """One online-softmax step of the program's HEADS query heads over KV tile `tile` (heads 2
+    and 3 pass through untouched when HEADS is 2). q [D] fp32 (softmax scale in them); m, l
+    scalars; acc as `_weigh_values`. Written per head on 2-D tiles only: the scores come out in
+    the layout of the tile's rows, which is the layout p needs against V, so no tile changes
+    layout (a [heads, keys, D] broadcast did, through shared memory, and ran at a third of the
+    copy bandwidth)."""
+    positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N]
+    k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                     stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED).to(tl.float32)                     # [BLOCK_N, D]
     p0, alpha0, m0, l0 = _softmax_step(tl.sum(k * q0[None, :], 1), m0, l0, positions, ctx_len, MASKED)
     p1, alpha1, m1, l1 = _softmax_step(tl.sum(k * q1[None, :], 1), m1, l1, positions, ctx_len, MASKED)
     p2, alpha2, p3, alpha3 = p0, alpha0, p1, alpha1  # HEADS == 2: unused
     if HEADS == 4:
         p2, alpha2, m2, l2 = _softmax_step(tl.sum(k * q2[None, :], 1), m2, l2, positions, ctx_len, MASKED)
         p3, alpha3, m3, l3 = _softmax_step(tl.sum(k * q3[None, :], 1), m3, l3, positions, ctx_len, MASKED)
-    v = v.to(tl.float16 if PV_FP16 else tl.float32)                         # [BLOCK_N, D]
+    v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
+                     stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
+                     PAGE_SIZE, MASKED).to(tl.float16 if PV_FP16 else tl.float32)  # [BLOCK_N, D]
     acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D, PV_FP16)
     acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D, PV_FP16)
     if HEADS == 4:
         acc2 = _weigh_values(acc2, p2, alpha2, v, ACC_2D, PV_FP16)
         acc3 = _weigh_values(acc3, p3, alpha3, v, ACC_2D, PV_FP16)
     return acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3
-
-
-@triton.jit
-def _tile_positions(tile, BLOCK_N: tl.constexpr):
-    return tile * BLOCK_N + tl.arange(0, BLOCK_N)                           # [BLOCK_N]
-
-
-@triton.jit
-def _blocks_ahead(block_table_ptr, tile, full_end, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Block ids of unmasked tile `tile`, loaded ahead of its turn (zeros past full_end)."""
-    positions = _tile_positions(tile, BLOCK_N)
-    return tile_blocks(block_table_ptr, positions, positions * 0 + tile < full_end, PAGE_SIZE, True)
-
-
-@triton.jit
-def _kv_ahead(k_cache_ptr, v_cache_ptr, blk, tile, full_end, kv_head,
-              stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """K and V of unmasked tile `tile` in blocks `blk`, loaded ahead of its turn (zeros past full_end)."""
-    positions = _tile_positions(tile, BLOCK_N)
-    ok = positions * 0 + tile < full_end
-    k = gather_kv_tile(k_cache_ptr, blk, positions, ok, kv_head, stride_kb, stride_kr, stride_kh, 1,
-                       HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True)
-    v = gather_kv_tile(v_cache_ptr, blk, positions, ok, kv_head, stride_vb, stride_vr, stride_vh, stride_vd,
-                       HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True)
-    return k, v
 
 
 @triton.jit
@@ -161,7 +143,7 @@ def decode_fma_kernel(
         QPK: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
-        PREFETCH: tl.constexpr, PDL: tl.constexpr):
+        PDL: tl.constexpr):
     """Grid: (KV heads x programs per group x splits, sequences). One program: HEADS query heads
     of one sequence and one KV head over one split of its context; a group of more query heads
     than HEADS reads its K/V once per program."""
@@ -201,45 +183,16 @@ def decode_fma_kernel(
         acc0 = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     acc1, acc2, acc3 = acc0, acc0, acc0
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # The unmasked tiles. PREFETCH 1: each tile's block ids are loaded one tile ahead; 2: its K and
-    # V one tile ahead and its block ids two, so a tile's loads are in flight while the tile before
-    # it is computed. A tile past full_end is loaded masked (zeros, never the cache), never used.
-    if PREFETCH >= 1:
-        blk = _blocks_ahead(block_table_ptr, tile_begin, full_end, BLOCK_N, PAGE_SIZE)
-    if PREFETCH == 2:
-        k_next, v_next = _kv_ahead(k_cache_ptr, v_cache_ptr, blk, tile_begin, full_end, kv_head,
-                                   stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                                   BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE)
-        blk = _blocks_ahead(block_table_ptr, tile_begin + 1, full_end, BLOCK_N, PAGE_SIZE)
     for tile in range(tile_begin, full_end):
-        positions = _tile_positions(tile, BLOCK_N)
-        if PREFETCH == 2:
-            k, v = k_next, v_next
-            k_next, v_next = _kv_ahead(k_cache_ptr, v_cache_ptr, blk, tile + 1, full_end, kv_head,
-                                       stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                                       BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE)
-            blk = _blocks_ahead(block_table_ptr, tile + 2, full_end, BLOCK_N, PAGE_SIZE)
-        else:
-            if PREFETCH == 0:
-                blk = tile_blocks(block_table_ptr, positions, positions < ctx_len, PAGE_SIZE, False)
-            k = gather_kv_tile(k_cache_ptr, blk, positions, positions < ctx_len, kv_head, stride_kb, stride_kr,
-                               stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False)
-            v = gather_kv_tile(v_cache_ptr, blk, positions, positions < ctx_len, kv_head, stride_vb, stride_vr,
-                               stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False)
-            if PREFETCH == 1:
-                blk = _blocks_ahead(block_table_ptr, tile + 1, full_end, BLOCK_N, PAGE_SIZE)
         acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3 = _attend_tile(
-            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, k, v, positions, ctx_len,
-            False, ACC_2D, PV_FP16, HEADS)
+            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+            stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16, HEADS)
     for tile in range(masked_begin, tile_end):
-        positions = _tile_positions(tile, BLOCK_N)
-        k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head, stride_kb, stride_kr, stride_kh,
-                         1, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True)
-        v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head, stride_vb, stride_vr, stride_vh,
-                         stride_vd, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True)
         acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3 = _attend_tile(
-            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, k, v, positions, ctx_len,
-            True, ACC_2D, PV_FP16, HEADS)
+            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+            stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16, HEADS)
     _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc0, m0, l0, v_scale, token, head0, head_end, split,
                  stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
                  HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT, ACC_2D)

@@ -22,26 +22,12 @@ def load_kv_tile(cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
     outside the context may hold anything, NaN included. Masks are built only where
     needed: a mask the compiler cannot prove uniform would stop 16-byte loads.
     """
-    block = tile_blocks(block_table_ptr, positions, positions < ctx_len, PAGE_SIZE, MASKED)
-    return gather_kv_tile(cache_ptr, block, positions, positions < ctx_len, kv_head, stride_b, stride_r,
-                          stride_h, stride_d, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, MASKED)
-
-
-@triton.jit
-def tile_blocks(block_table_ptr, positions, pos_ok, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """The cache block of each of `positions` (0 where MASKED and not `pos_ok`).  # [BLOCK_N] int32"""
-    if MASKED:
-        return tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
-    return tl.load(block_table_ptr + positions // PAGE_SIZE)  # the caller passes context positions only
-
-
-@triton.jit
-def gather_kv_tile(cache_ptr, block, positions, pos_ok, kv_head, stride_b, stride_r, stride_h, stride_d,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """The cache rows of `positions`, in blocks `block` (`tile_blocks`); rows not `pos_ok` read 0
-    where MASKED.  # [BLOCK_N, HEAD_DIM_PAD]"""
     dims = tl.arange(0, HEAD_DIM_PAD)
+    if MASKED:
+        pos_ok = positions < ctx_len
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
+    else:  # the caller passes context positions only
+        block = tl.load(block_table_ptr + positions // PAGE_SIZE)
     row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
                 + kv_head * stride_h)                 # [BLOCK_N]
     ptrs = cache_ptr + row_offs[:, None] + dims[None, :] * stride_d
