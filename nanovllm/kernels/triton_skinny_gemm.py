@@ -10,22 +10,26 @@ bandwidth.
 
 This kernel gives each program a few output features (`BLOCK_N` rows of the weight, chosen
 so the grid has at least `PROGRAMS_PER_SM` programs a multiprocessor) across the whole
-reduction dimension: short reductions unrolled, long ones in a software-pipelined loop. The
-weight is read once, in 16-byte loads (sm_90 code of triton 3.6; there each iteration's sum
-crosses the warps through shared memory, and the next iteration's loads wait for it: RESULTS.md). Products and sums are float32 on the CUDA cores (the tensor cores
-would idle at one row), rounded once to the output dtype. With it that decode ran at
-497 tok/s instead of 417, the layers' products 0.46 ms a step instead of 0.76: each still takes
-3.8-5.0 us against a 1-3 us floor, most of it the latency of a kernel this short. So the
-kernels around them come in too (`skinny_norm_linear`, for models/decoder.py's one-row layers):
-the RMSNorm (+ residual add) before q/k/v and gate/up, recomputed by every program from the
-row (a few KB, from L2), and SiLU-and-mul after gate/up: 524-526 tok/s against 495 without, in
-one run (three launches fewer a layer, ~0.1 ms a step). They round where the kernels they
+reduction dimension, in one of two forms. Where a program's weight slab is small
+(`WHOLE_ROW_MAX_BYTES`: every Qwen3-0.6B layer product), it loads the whole slab at once, before
+waiting for the kernel ahead (programmatic dependent launch, kernels/triton_pdl.py: the weights
+stream in while that kernel finishes), and sums it over K once. Larger slabs loop over K
+(unrolled for short reductions, software-pipelined for long ones), each iteration's sum crossing
+the warps through shared memory (sm_90 code of triton 3.6), and let the next kernel start only
+after the loop. Products and sums are float32 on the CUDA cores (the tensor cores would idle at
+one row), rounded once to the output dtype; the weight is read once, in 16-byte loads. The
+0.6B's four products took 3.2 / 2.3 / 4.4 / 2.8 us (q/k/v, o, gate/up, down) against cuBLAS's
+4.9 / 12.8 / 6.0 / 6.5 (RESULTS.md "Fourteenth session"). The kernels around them come in too
+(`skinny_norm_linear`, for models/decoder.py's one-row layers): the RMSNorm (+ residual add)
+before q/k/v and gate/up, recomputed by every program from the row (a few KB, from L2), and
+SiLU-and-mul after gate/up (three launches fewer a layer). They round where the kernels they
 replace round (triton_ops' RMSNorm and SiLU-and-mul), but the products' float32 sums run in
 another order (another BLOCK_N for gate/up as one product or two halves), so the results
 match the unfused ones to rounding, not bit for bit.
 
 Compiled variants, per model: one per (weight shape's reduction length `K`, `BLOCK_N`,
-`BLOCK_M`, dtype, bias or not, norm with or without a residual, gated or not); `BLOCK_M` is
+`BLOCK_M`, dtype, bias or not, norm with or without a residual, gated or not; the form follows
+from these); `BLOCK_M` is
 the row count rounded up to a power of two, 1 in the engine (MAX_ROWS), whose one-sequence
 decode engine/warmup.py runs at start-up (its first layer's norm has no residual, the others
 do); the row count itself is `do_not_specialize`.
