@@ -187,9 +187,6 @@ DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed 
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
 # 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
 DECODE_FMA_MAX_GROUP = 2
-# Query heads a program of that kernel computes (2 or 4) where the group has more than 2: at 4 a
-# group of 3 or 4 reads its K/V once instead of twice, at more registers a program.
-DECODE_FMA_HEADS = 2
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -736,17 +733,16 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
     qpk = num_heads // num_kv_heads
-    heads = DECODE_FMA_HEADS if qpk > 2 else 2
-    per_group = triton_decode_fma.programs_per_group(qpk, heads)
+    pairs = triton.cdiv(qpk, triton_decode_fma.HEADS_PER_PROGRAM.value)
     if num_splits is None:
-        num_splits = _choose_num_splits(num_seqs * num_kv_heads * per_group, max_seqlen_k, q.device,
+        num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device,
                                         DECODE_FMA_PROGRAMS_PER_SM)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
-    triton_decode_fma.decode_fma_kernel[(num_kv_heads * per_group * num_splits, num_seqs)](
+    triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
         *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                       scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
-        QPK=qpk, HEADS=heads, BLOCK_N=DECODE_FMA_BLOCK_N,
+        QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
         PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D,
