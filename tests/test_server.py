@@ -56,7 +56,7 @@ class ServerProcess:
     def __init__(self, model_dir: str, *extra_args: str):
         cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
                "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), *extra_args]
+               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--compilation-config", "0", *extra_args]  # no compile time
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)

@@ -20,7 +20,6 @@ import logging
 import os
 from contextlib import asynccontextmanager
 
-from nanovllm.config import Config
 from nanovllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from nanovllm.entrypoints.openai.errors import (APIError, bad_request, check_api_key, error_response,
                                                  install_error_handlers)
@@ -256,14 +255,17 @@ def main(args: argparse.Namespace) -> None:
     try:
         import uvicorn
         from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.engine.cpu_compile import server_compilation_mode
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
         multiprocess = args.multiprocess_mode
         if multiprocess is None:
-            multiprocess = default_multiprocess_mode(engine_kwargs(args).get("device", Config.device))
+            multiprocess = default_multiprocess_mode(engine_kwargs(args).get("device", "auto"))
+        kwargs = engine_kwargs(args)
+        kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: compiled
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
-                             log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
+                             log_stats_interval=args.log_stats_interval, **kwargs)
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
         names = args.served_model_name or [default_model_name(args.model, async_llm)]
         app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
