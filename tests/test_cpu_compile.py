@@ -127,3 +127,15 @@ def test_mode_3_where_it_cannot_run_is_named(tiny_model):
     path, _ = tiny_model("qwen3moe")
     with pytest.raises(ValueError, match="not for mixture-of-experts models"):
         LLM(path, device="cpu", dtype="float32", compilation_config=3)
+
+
+def test_server_compiles_a_cpu_engine_unless_told_or_unable(tiny_model):
+    """`nanovllm serve` gives a CPU engine mode 3 when no mode is given, and leaves the engine's own
+    default where mode 3 cannot run (experts, tensor parallelism, the GPU)."""
+    path, _ = tiny_model("qwen3")
+    moe_path, _ = tiny_model("qwen3moe")
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) == cpu_compile.DEFAULT_CPU_SERVER_MODE == 3
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "compilation_config": 0}) == 0
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "enforce_eager": True}) is None
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "tensor_parallel_size": 2}) is None
+    assert cpu_compile.server_compilation_mode(moe_path, {"device": "cpu"}) is None

@@ -53,3 +53,21 @@ def test_causal_mask_hides_each_querys_later_keys():
     """Rows 1-2 of a 3-query chunk over 5 keys (positions 3, 4): key j is seen iff j <= position."""
     mask = cpu_prefill_attn._causal_mask(1, 3, q_len=3, k_len=5)
     assert mask.isinf().tolist() == [[False, False, False, False, True], [False] * 5]
+
+
+@needs_fast_bf16
+@pytest.mark.parametrize("max_scores", [1 << 22, 300])
+def test_chunks_of_one_shape_attend_together_as_each_alone(max_scores, monkeypatch):
+    """Sequences with the same query and key lengths run as one batch: each gets the values it gets
+    alone (the same products per batch entry), close to the fp32 reference."""
+    monkeypatch.setattr(cpu_prefill_attn, "MAX_SCORES", max_scores)
+    seq_lens, q_lens = [40, 33, 40, 40, 33, 5], [40, 9, 40, 40, 9, 5]
+    q, k_cache, v_cache, cu, lens, tables = _prefill_case(seq_lens, q_lens, 9, 3, torch.bfloat16, seed=1)
+    ours = cpu_prefill_attn.prefill_attention(q, k_cache, v_cache, cu, lens, tables, 0.25)
+    for b in range(len(seq_lens)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = cpu_prefill_attn.prefill_attention(q[rows], k_cache, v_cache, torch.tensor([0, q_lens[b]]),
+                                                   lens[b:b + 1], tables[b:b + 1], 0.25)
+        assert torch.equal(ours[rows], alone), b
+    expected = torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, lens, tables, 0.25)
+    torch.testing.assert_close(ours.float(), expected, rtol=2e-2, atol=2e-2)

@@ -202,7 +202,8 @@ def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
     error event and turns /health to 503; Ctrl-C then stops the server, and nothing is left."""
     cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
            "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
-           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing"]
+           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing",
+           "--compilation-config", "0"]  # (a CPU server compiles by default: not the point here)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)   # its own process group, as a shell's foreground job

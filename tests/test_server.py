@@ -56,7 +56,7 @@ class ServerProcess:
     def __init__(self, model_dir: str, *extra_args: str):
         cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
                "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), *extra_args]
+               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--compilation-config", "0", *extra_args]  # no compile time
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
@@ -783,3 +783,18 @@ def test_async_llm_interleaves_requests(async_llm):
     asyncio.run(go())
     bm = async_llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_engine_loop_home_by_device_and_threads():
+    """No flag: a CPU engine on more than one thread runs in its own process, on one thread in a thread."""
+    import torch
+
+    from nanovllm.entrypoints.openai.api_server import default_multiprocess_mode
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert default_multiprocess_mode("cpu")
+        torch.set_num_threads(1)
+        assert not default_multiprocess_mode("cpu")
+    finally:
+        torch.set_num_threads(threads)

@@ -18,7 +18,8 @@ starts; Inductor's compiled code is cached on disk (torch's FX graph / AOTAutogr
 /tmp/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a later process
 skips the lowering and the C++ compilation: on SmolLM2, ~36 s with an empty cache, ~5 s from it,
 for a decode step 5-20% faster (benchmarks/RESULTS.md "B2 CPU, round 5", where the whole-model
-graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager.
+graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager, except for a server
+(`nanovllm serve`), which runs long enough to repay it: DEFAULT_CPU_SERVER_MODE.
 """
 
 import warnings
@@ -34,6 +35,11 @@ COMPILE_MODE = 3
 # The mode a CPU engine runs when compilation_config is not given: eager, as the compile time
 # outweighs the gain for a short run (the README's first command).
 DEFAULT_CPU_MODE = 0
+# The mode `nanovllm serve` runs a CPU engine in when compilation_config is not given: compiled. On the
+# 2-core AVX512-BF16 machine with two threads the server served 165.2-174.1 tok/s compiled against
+# 143.2-144.7 eager (TPOT 64.7-70.1 against 77.6-79.3 ms, alternating pairs), for a start-up of +22 s
+# with an empty Inductor cache and ~+7 s from it (benchmarks/RESULTS.md "B2 CPU, round 10").
+DEFAULT_CPU_SERVER_MODE = COMPILE_MODE
 # Decoder layers per compiled graph: the graph's call costs ~60-100 us of Python a step
 # (Dynamo, AOTAutograd and Inductor's wrappers), its compilation grows with its layers.
 LAYERS_PER_GRAPH = 10
@@ -55,12 +61,32 @@ def resolve_compilation_mode(mode: int | None, enforce_eager: bool, device: torc
 
 
 def _why_not_compiled(device: torch.device, tp_size: int, model: nn.Module) -> str | None:
+    return _why_not(device, tp_size, any(isinstance(m, SparseMoeBlock) for m in model.modules()))
+
+
+def _why_not(device: torch.device, tp_size: int, has_experts: bool) -> str | None:
     if device.type != "cpu":
         return f"device {device.type!r} runs its own kernels and CUDA graphs (use mode 0)"
     if tp_size > 1:
         return f"not with tensor_parallel_size={tp_size} (its all-reduces run between the layers' ops)"
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+    if has_experts:
         return "not for mixture-of-experts models"
+    return None
+
+
+def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:
+    """The compilation_config a server's engine gets: the one given (or eager with enforce_eager),
+    else DEFAULT_CPU_SERVER_MODE where the engine can run it (on the CPU, one rank, no experts: read
+    from the model's config before the engine loads it), else None (the engine's own default)."""
+    if engine_kwargs.get("compilation_config") is not None or engine_kwargs.get("enforce_eager"):
+        return engine_kwargs.get("compilation_config")
+    from nanovllm.engine.model_source import ModelSource, resolve_model
+    from nanovllm.utils.device import resolve_device
+    device = resolve_device(engine_kwargs.get("device", "auto"))
+    source = ModelSource.resolve(resolve_model(model), engine_kwargs.get("load_format", "auto"))
+    has_experts = source.model_config().num_experts > 0
+    if _why_not(device, engine_kwargs.get("tensor_parallel_size", 1), has_experts) is None:
+        return DEFAULT_CPU_SERVER_MODE
     return None
 
 

@@ -1,4 +1,4 @@
-"""CPU prefill attention: a step's prompt chunks, one sequence at a time, by bf16 products.
+"""CPU prefill attention: a step's prompt chunks, those of one shape together, by bf16 products.
 
 `torch_ref.paged_attention` attends each chunk with SDPA on 3-D tensors and a boolean causal
 mask, which torch's CPU dispatch runs on its math backend. In bf16 on CPUs that multiply bf16
@@ -10,11 +10,20 @@ prompt and 8.7 against 22 ms for a 512-token one (benchmarks/RESULTS.md "B2 CPU,
 The probabilities are rounded to bf16 before the second product: the outputs differ from the
 reference's by bf16 rounding. Elsewhere (fp32; CPUs without fast bf16) `torch_ref` runs.
 
-A chunk's scores are `[kv_heads, group * rows, k_len]` in fp32; its queries are taken in
+Chunks of the same shape (query and key lengths: a burst of equal-length prompts, as a serving
+benchmark's waves are) attend together, the sequences one more batch dimension of the same two
+products: a chunk's ~20 small ops a layer are then paid once per shape, not once per sequence
+(16 x 128-token prompts on two threads: the step's attention layers, stores included, 335-387 -> 238-253
+ms of a 1.6-1.8 s step; benchmarks/RESULTS.md "B2 CPU, round 10"). Each sequence's values are those it
+gets alone (the same products per batch entry).
+
+A batch's scores are `[kv_heads * seqs, group * rows, k_len]` in fp32; its queries are taken in
 slices of rows that keep them under MAX_SCORES values, so a long prompt does not hold a whole
 `[q_len, k_len]` matrix per head at once. Arguments as `torch_ref.paged_attention`'s, without its
 host-known bounds.
 """
+from collections import defaultdict
+
 import torch
 
 from nanovllm.kernels import torch_ref
@@ -38,32 +47,45 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
-    for b, k_len in enumerate(seq_lens_k.tolist()):
-        slots = torch_ref.context_slots(block_tables[b], k_len, block_size)
-        k = torch_ref.read_cache(k_cache, slots, k_scale, q.dtype)  # [k_len, kv_heads, d]
+    for (q_len, k_len), seqs in _by_shape(cu, seq_lens_k.tolist()).items():
+        slots = torch.cat([torch_ref.context_slots(block_tables[b], k_len, block_size) for b in seqs])
+        k = torch_ref.read_cache(k_cache, slots, k_scale, q.dtype)  # [seqs * k_len, kv_heads, d]
         v = torch_ref.read_cache(v_cache, slots, v_scale, q.dtype)
-        out[cu[b]:cu[b + 1]] = causal_by_products(q[cu[b]:cu[b + 1]], k, v, scale)
+        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in seqs])  # [seqs * q_len]
+        o = causal_by_products(q[rows].unflatten(0, (len(seqs), q_len)), k.unflatten(0, (len(seqs), k_len)),
+                               v.unflatten(0, (len(seqs), k_len)), scale)
+        out[rows] = o.flatten(0, 1)
     return out
 
 
+def _by_shape(cu: list[int], seq_lens_k: list[int]) -> dict[tuple[int, int], list[int]]:
+    """The sequences of each (query length, key length), in step order."""
+    shapes = defaultdict(list)
+    for b, k_len in enumerate(seq_lens_k):
+        shapes[(cu[b + 1] - cu[b], k_len)].append(b)
+    return shapes
+
+
 def causal_by_products(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [q_len, num_heads, d]; k, v: [k_len, kv_heads, d], the queries being the last q_len
-    keys' positions -> [q_len, num_heads, d]."""
-    q_len, num_heads, d = q.shape
-    k_len, num_kv_heads, _ = k.shape
+    """q: [seqs, q_len, num_heads, d]; k, v: [seqs, k_len, kv_heads, d], each sequence's queries being
+    the last q_len keys' positions -> [seqs, q_len, num_heads, d]."""
+    seqs, q_len, num_heads, d = q.shape
+    _, k_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    q = q.view(q_len, num_kv_heads, group, d).permute(1, 2, 0, 3)  # [kv_heads, group, q_len, d]
-    k, v = k.permute(1, 2, 0), v.transpose(0, 1)                   # [kv_heads, d, k_len], [kv_heads, k_len, d]
-    out = torch.empty(num_kv_heads, group, q_len, d, dtype=q.dtype)
-    rows = max(1, MAX_SCORES // (num_heads * k_len))
+    batch = num_kv_heads * seqs
+    q = q.view(seqs, q_len, num_kv_heads, group, d).permute(2, 0, 3, 1, 4)  # [kv_heads, seqs, group, q_len, d]
+    k = k.permute(2, 0, 3, 1).reshape(batch, d, k_len)                       # [kv_heads * seqs, d, k_len]
+    v = v.permute(2, 0, 1, 3).reshape(batch, k_len, d)                       # [kv_heads * seqs, k_len, d]
+    out = torch.empty(num_kv_heads, seqs, group, q_len, d, dtype=q.dtype)
+    rows = max(1, MAX_SCORES // (num_heads * seqs * k_len))
     for start in range(0, q_len, rows):
         end = min(start + rows, q_len)
-        scores = torch.bmm(q[:, :, start:end].reshape(num_kv_heads, -1, d), k).float()  # [kv_heads, group*n, k_len]
-        scores = scores.view(num_kv_heads, group, end - start, k_len).mul_(scale)
+        scores = torch.bmm(q[..., start:end, :].reshape(batch, -1, d), k).float()  # [batch, group*n, k_len]
+        scores = scores.view(batch, group, end - start, k_len).mul_(scale)
         scores.add_(_causal_mask(start, end, q_len, k_len))
-        probs = torch.softmax(scores, -1).to(v.dtype).view(num_kv_heads, -1, k_len)
-        out[:, :, start:end] = torch.bmm(probs, v).view(num_kv_heads, group, end - start, d)
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, d)
+        probs = torch.softmax(scores, -1).to(v.dtype).view(batch, -1, k_len)
+        out[..., start:end, :] = torch.bmm(probs, v).view(num_kv_heads, seqs, group, end - start, d)
+    return out.permute(1, 3, 0, 2, 4).reshape(seqs, q_len, num_heads, d)
 
 
 def _causal_mask(start: int, end: int, q_len: int, k_len: int) -> torch.Tensor:

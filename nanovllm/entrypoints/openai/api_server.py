@@ -36,8 +36,11 @@ DEFAULT_PORT = 8000             # vLLM's
 # Generous for any legitimate request: a 32k-token prompt sent as token ids is about 250 KB.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-# The engine loop in a thread of the server's process unless --enable-frontend-multiprocessing: on the
-# 2-core CPU machine the process mode measured no faster (benchmarks/RESULTS.md, "Tenth session").
+# Where the engine loop runs unless --enable/--disable-frontend-multiprocessing says: a thread of the
+# server's process, except for a CPU engine with more than one thread, which gets a process of its own
+# (`default_multiprocess_mode`). On the 2-core AVX512-BF16 machine with two threads the process mode served
+# 148.7-173.6 tok/s at TPOT 64-75 ms against the thread's 91.3-116.0 at 103-122 ms (benchmarks/RESULTS.md,
+# "B2 CPU, round 10"); with one thread, and on an H200's host, it measured no faster ("Tenth session").
 DEFAULT_SERVER_MULTIPROCESS_MODE = False
 
 
@@ -68,14 +71,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--disable-frontend-multiprocessing", dest="multiprocess_mode", action="store_false",
                         default=None,
                         help="run the engine loop in a thread of the server's process instead of a process of "
-                             "its own" + ("" if DEFAULT_SERVER_MULTIPROCESS_MODE else " (the default)") +
+                             "its own (the default, except for a CPU engine on more than one thread)"
                              ": the event loop (HTTP, chat templates, streams) and the engine's steps then share "
                              "one GIL")
     server.add_argument("--enable-frontend-multiprocessing", dest="multiprocess_mode", action="store_true",
-                        help="run the engine loop in a process of its own" +
-                             (" (the default)" if DEFAULT_SERVER_MULTIPROCESS_MODE else "") +
-                             ", fed through a pipe: the server's event loop and the engine's steps run on "
-                             "separate cores, each with its own GIL")
+                        help="run the engine loop in a process of its own (the default for a CPU engine on more "
+                             "than one thread), fed through a pipe: the server's event loop and the engine's "
+                             "steps run on separate cores, each with its own GIL")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="let the model call tools itself (tool_choice 'auto'); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -253,12 +255,17 @@ def main(args: argparse.Namespace) -> None:
     try:
         import uvicorn
         from nanovllm.engine.async_llm import AsyncLLM
+        from nanovllm.engine.cpu_compile import server_compilation_mode
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
-        multiprocess = DEFAULT_SERVER_MULTIPROCESS_MODE if args.multiprocess_mode is None else args.multiprocess_mode
+        multiprocess = args.multiprocess_mode
+        if multiprocess is None:
+            multiprocess = default_multiprocess_mode(engine_kwargs(args).get("device", "auto"))
+        kwargs = engine_kwargs(args)
+        kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: compiled
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
-                             log_stats_interval=args.log_stats_interval, **engine_kwargs(args))
+                             log_stats_interval=args.log_stats_interval, **kwargs)
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
         names = args.served_model_name or [default_model_name(args.model, async_llm)]
         app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
@@ -271,6 +278,20 @@ def main(args: argparse.Namespace) -> None:
     logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
                 async_llm.engine_stats.num_blocks)
     uvicorn.Server(uvicorn_config(app, args)).run()
+
+
+def default_multiprocess_mode(device: str) -> bool:
+    """The engine loop's home when no flag says: a process of its own for a CPU engine with more than one
+    torch thread, else DEFAULT_SERVER_MULTIPROCESS_MODE (a thread). In one process the engine thread
+    shares the GIL with the event loop (every step's deltas, SSE, new requests), and the step's
+    OpenMP threads wait while it does: on two threads its 16-row decode steps took 91-117 ms (76-86 ms
+    of the engine thread's CPU) against 58-73 ms offline (benchmarks/RESULTS.md, "B2 CPU, round 10")."""
+    import torch
+
+    from nanovllm.utils.device import resolve_device
+    if resolve_device(device).type == "cpu" and torch.get_num_threads() > 1:
+        return True
+    return DEFAULT_SERVER_MULTIPROCESS_MODE
 
 
 def uvicorn_config(app, args: argparse.Namespace):
