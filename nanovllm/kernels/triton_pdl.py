@@ -7,31 +7,37 @@ one-sequence decode step is a chain of ~7 such kernels a layer, 2-5 us each (RES
 every program of the kernel before it has called `launch_dependents` (or ended); it then runs
 up to its `wait_for_prior_grid`, which returns once that kernel has finished and its writes
 are visible. What comes before the wait overlaps the kernel ahead: the skinny products
-(triton_skinny_gemm.py) load their weights there, which no kernel writes.
+(triton_skinny_gemm.py) load their weights there, which no kernel writes once the engine has
+started (a weight written by a kernel must be followed by a synchronization or a kernel launched
+without PDL before a product reads it early; a decode step starts with torch's embedding lookup).
 
-The rule for a kernel launched with PDL: every program calls `wait_for_prior_grid` before it
-reads anything an earlier kernel wrote and before it writes anything (an earlier kernel may still
-be reading it). Since each such kernel finishes only after its wait, waiting for the kernel just
-ahead also waits for every kernel before that one. Kernels launched without PDL (torch's and
-cuBLAS's) keep the usual order, and the wait returns at once after them.
+The rule for a kernel launched with PDL: every program reaches `wait_for_prior_grid`, before any
+`return` (even a program with nothing to do), and before it reads anything an earlier kernel wrote
+or writes anything (an earlier kernel may still be reading it). Since each such kernel finishes
+only after its wait, waiting for the kernel just ahead also waits for every kernel before that
+one. Kernels launched without PDL (torch's and cuBLAS's, the decode round's input advance) keep
+the usual order, and the wait returns at once after them.
 
 The kernels that take part have a `PDL` constexpr and are launched with `**launch_options(device)`;
-it is the same for every launch on a device, so it adds no compiled variants.
+it is the same for every launch on a device, so it adds no compiled variants. (`launch_pdl` is
+part of Triton's compile key: `ENABLED` must be set before an engine starts, or kernels compile
+again.)
 """
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = True             # module switch, for benchmarks' A/B
+ENABLED = True             # module switch, for benchmarks' A/B (set before an engine starts)
 MIN_CAPABILITY = (9, 0)    # griddepcontrol: sm_90 (Hopper) and later
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of MIN_CAPABILITY or later
-    (tensors under Triton's interpreter are on the CPU)."""
-    if not ENABLED or device.type != "cuda":
+    """Whether kernels on `device` launch with PDL: a CUDA device of MIN_CAPABILITY or later, not
+    under Triton's interpreter (which runs no PTX)."""
+    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -29,10 +29,9 @@ match the unfused ones to rounding, not bit for bit.
 
 Compiled variants, per model: one per (weight shape's reduction length `K`, `BLOCK_N`,
 `BLOCK_M`, dtype, bias or not, norm with or without a residual, gated or not; the form follows
-from these); `BLOCK_M` is
-the row count rounded up to a power of two, 1 in the engine (MAX_ROWS), whose one-sequence
-decode engine/warmup.py runs at start-up (its first layer's norm has no residual, the others
-do); the row count itself is `do_not_specialize`.
+from these; `PDL` is fixed per device); `BLOCK_M` is the row count rounded up to a power of two,
+1 in the engine (MAX_ROWS), whose one-sequence decode engine/warmup.py runs at start-up (its
+first layer's norm has no residual, the others do); the row count itself is `do_not_specialize`.
 """
 from typing import NamedTuple
 
@@ -62,12 +61,15 @@ PIPELINE_STAGES = 3
 PROGRAMS_PER_SM = 4    # BLOCK_N is the largest power of two that leaves at least this many
 MIN_BLOCK_N = 2        # programs a multiprocessor, within [MIN_BLOCK_N, MAX_BLOCK_N]
 MAX_BLOCK_N = 32
-# One row whose program's weight slab ([BLOCK_N, K], gate and up together) takes at most this many
-# bytes loads it whole, before waiting for the kernel ahead (triton_pdl), and sums it over K once:
-# 16 KiB is 32 registers a thread of NUM_WARPS warps (every Qwen3-0.6B layer product; the 8B's
-# and the LM head's slabs are larger and loop). In the looped form's sm_90 code each iteration's
-# sum crosses the warps through shared memory and holds back the next iteration's loads.
-WHOLE_ROW_MAX_BYTES = 16 * 1024
+# One row whose program's weight slab ([BLOCK_N, K padded to a power of two], gate and up together)
+# takes at most this many bytes loads it whole, before waiting for the kernel ahead (triton_pdl),
+# and sums it over K once. 32 registers a thread hold the 16-bit slab (16 KiB at 4 warps: every
+# Qwen3-0.6B layer product; the 8B's and the LM head's slabs are larger and loop); its float32
+# products and the row come on top (40-64 registers a thread in all, sm_90 code of triton 3.6).
+# In the looped form's code each iteration's sum crosses the warps through shared memory and holds
+# back the next iteration's loads.
+WHOLE_ROW_SLAB_REGISTERS = 32
+WHOLE_ROW_MAX_BYTES = WHOLE_ROW_SLAB_REGISTERS * 4 * 32 * NUM_WARPS  # 4-byte registers, 32 threads a warp
 
 
 @triton.jit
@@ -166,6 +168,7 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
     each product rounded to y's dtype first, as triton_ops' SiLU-and-mul rounds them.
     WHOLE_ROW (one row, K_PAD = NORM_BLOCK): `_whole_row`; else `_looped`."""
     tl.static_assert(BLOCK_M == 1 or not (NORM or WHOLE_ROW), "the fused RMSNorm and WHOLE_ROW take one row")
+    tl.static_assert(NORM_BLOCK >= K, "NORM_BLOCK covers the row")
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
     col_ok = cols < N
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -179,8 +182,8 @@ def _skinny_gemm_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr
         acc, acc_up = _looped(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_rows, up_rows, col_ok, num_rows,
                               stride_xm, eps, K, BLOCK_M, BLOCK_N, BLOCK_K, UNROLL, NUM_STAGES, NORM,
                               HAS_RESIDUAL, NORM_BLOCK, GATED)
-        # only now: programs of the next kernel started earlier would hold multiprocessors this
-        # product's later programs need (Qwen3-8B's one-row products ran 10-20% slower)
+        # only now: started at the kernel's beginning, the next one made the Qwen3-8B's looped
+        # one-row products 10-20% slower (RESULTS.md "Fourteenth session"; the cause not profiled)
         launch_dependents(PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
