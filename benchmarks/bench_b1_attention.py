@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 import triton.testing
 
-from bench_offline import copy_bandwidth, workload
+from bench_offline import copy_bandwidth, kernel_constant, workload
 from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence
@@ -257,10 +257,9 @@ def time_step(tables: list[list[int]], ctx: list[int], caches, ta: ModuleType) -
 
 
 def _target(ta: ModuleType, key: str) -> tuple[ModuleType, str]:
-    """(module, name) a variant's constant `key` sets: triton_attn's, or "module.NAME" of another
-    kernels module (e.g. "triton_pdl.ENABLED")."""
-    module_name, _, name = key.rpartition(".")
-    return (importlib.import_module(f"nanovllm.kernels.{module_name}") if module_name else ta), name
+    """(module, name) a variant's constant `key` sets: `ta`'s (the engine's triton_attn or a copy
+    of it), or "module.NAME" of another kernels module (bench_offline.kernel_constant)."""
+    return kernel_constant(key) if "." in key else (ta, key)
 
 
 def run_variant(name: str, samples, num_blocks: int, bandwidth: float, dtype: torch.dtype = torch.bfloat16,

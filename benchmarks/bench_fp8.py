@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_attn_constants, workload  # noqa: E402
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_kernel_constants, workload  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 
 QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernel module constants to set first, as bench_offline.py's option")
     args = ap.parse_args()
-    set_attn_constants(json.loads(args.attn_constants))
+    set_kernel_constants(json.loads(args.attn_constants))
     part, profiled = args.part, args.profile
     if part == "gemm":
         return gemm()

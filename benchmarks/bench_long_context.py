@@ -30,7 +30,7 @@ from random import randint, seed
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_attn_constants  # noqa: E402
+from bench_offline import QWEN3_0_6B, copy_bandwidth, model_dir, profile, set_kernel_constants  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.warmup import VariantCounter  # noqa: E402
 
@@ -152,7 +152,7 @@ def main():
                     help="kernels/triton_attn.py tile constants to set first, e.g. "
                          "'{\"PREFILL_BLOCK_N\": 64}' (an A/B of a tile against the default)")
     args = ap.parse_args()
-    set_attn_constants(json.loads(args.attn_constants))
+    set_kernel_constants(json.loads(args.attn_constants))
     cfg = QWEN3_0_6B
     t0 = time.perf_counter()
     kwargs = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)

@@ -18,6 +18,7 @@ JSON line.
 """
 import argparse
 import gc
+import importlib
 import json
 import os
 import shutil
@@ -243,7 +244,7 @@ def main():
     ap.add_argument("--trace-windows", type=int, default=3)
     ap.add_argument("--trace-host", action="store_true", help="also record host-side torch ops (slower host)")
     args = ap.parse_args()
-    set_attn_constants(json.loads(args.attn_constants))
+    set_kernel_constants(json.loads(args.attn_constants))
     cfg = SMALL if args.small else QWEN3_0_6B
     num_seqs, max_len = (8, 128) if args.small else (args.num_seqs, 1024)
     prompts, params = workload(num_seqs, max_len, max_len)
@@ -312,16 +313,20 @@ def main():
               args.trace_host)
 
 
-def set_attn_constants(constants: dict) -> None:
-    """Set module constants of the kernels (in this process: tensor parallelism 1): a plain name
-    is kernels/triton_attn.py's, "module.NAME" another kernels module's (e.g. "triton_pdl.ENABLED")."""
-    import importlib
+def kernel_constant(key: str) -> tuple[object, str]:
+    """(module, name) of a kernel constant: a plain name is kernels/triton_attn.py's, "module.NAME"
+    another kernels module's (e.g. "triton_pdl.ENABLED")."""
+    module_name, _, name = key.rpartition(".")
+    module = importlib.import_module(f"nanovllm.kernels.{module_name or 'triton_attn'}")
+    if not hasattr(module, name):
+        raise ValueError(f"kernels/{module.__name__.rpartition('.')[2]}.py has no constant {name!r}")
+    return module, name
+
+
+def set_kernel_constants(constants: dict) -> None:
+    """Set kernel module constants (`kernel_constant`'s keys) in this process (tensor parallelism 1)."""
     for key, value in constants.items():
-        module_name, _, name = key.rpartition(".")
-        module = importlib.import_module(f"nanovllm.kernels.{module_name or 'triton_attn'}")
-        if not hasattr(module, name):
-            raise ValueError(f"kernels/{module.__name__.rpartition('.')[2]}.py has no constant {name!r}")
-        setattr(module, name, value)
+        setattr(*kernel_constant(key), value)
 
 
 def _later_call(llm, prompts, params, first_tok_per_s: float, variants: VariantCounter) -> dict:
