@@ -139,3 +139,13 @@ def test_server_compiles_a_cpu_engine_unless_told_or_unable(tiny_model):
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "enforce_eager": True}) is None
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "tensor_parallel_size": 2}) is None
     assert cpu_compile.server_compilation_mode(moe_path, {"device": "cpu"}) is None
+
+
+def test_no_cpp_compiler_keeps_the_server_eager_and_names_it(tiny_model, monkeypatch):
+    """Without a C++ compiler (Inductor needs one) `nanovllm serve` stays eager, and an explicit
+    mode 3 is a ValueError saying why, instead of Inductor failing mid-start-up."""
+    path, _ = tiny_model("qwen3")
+    monkeypatch.setattr(cpu_compile, "_cpp_compiler_found", lambda: False)
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) is None
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
+        LLM(path, device="cpu", dtype="float32", compilation_config=3)

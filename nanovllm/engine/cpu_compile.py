@@ -22,6 +22,7 @@ graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager, ex
 (`nanovllm serve`), which runs long enough to repay it: DEFAULT_CPU_SERVER_MODE.
 """
 
+import functools
 import warnings
 
 import torch
@@ -54,9 +55,12 @@ def resolve_compilation_mode(mode: int | None, enforce_eager: bool, device: torc
         return 0
     why_not = _why_not_compiled(device, tp_size, model)
     if mode is None:
-        return DEFAULT_CPU_MODE if why_not is None else 0
-    if mode == COMPILE_MODE and why_not is not None:
-        raise ValueError(f"compilation_config mode {COMPILE_MODE} compiles the CPU forward pass: {why_not}")
+        mode = DEFAULT_CPU_MODE if why_not is None else 0
+        return 0 if mode == COMPILE_MODE and _why_no_compiler() else mode
+    if mode == COMPILE_MODE:
+        why_not = why_not or _why_no_compiler()
+        if why_not is not None:
+            raise ValueError(f"compilation_config mode {COMPILE_MODE} compiles the CPU forward pass: {why_not}")
     return mode
 
 
@@ -74,10 +78,30 @@ def _why_not(device: torch.device, tp_size: int, has_experts: bool) -> str | Non
     return None
 
 
+def _why_no_compiler() -> str | None:
+    """Why Inductor could not build compiled CPU code here (no C++ compiler), or None. Asked only
+    where a compiled engine is about to start: the search imports Inductor (~1 s)."""
+    if not _cpp_compiler_found():
+        return "no C++ compiler found (Inductor builds the compiled CPU code with one: install g++ or set CXX)"
+    return None
+
+
+@functools.cache
+def _cpp_compiler_found() -> bool:
+    """Whether Inductor's own search finds a C++ compiler to build its CPU code with."""
+    from torch._inductor import cpp_builder
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception:  # torch's InvalidCxxCompiler, or an OSError running a candidate
+        return False
+    return True
+
+
 def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:
     """The compilation_config a server's engine gets: the one given (or eager with enforce_eager),
     else DEFAULT_CPU_SERVER_MODE where the engine can run it (on the CPU, one rank, no experts: read
-    from the model's config before the engine loads it), else None (the engine's own default)."""
+    from the model's config before the engine loads it; a C++ compiler for Inductor), else None
+    (the engine's own default)."""
     if engine_kwargs.get("compilation_config") is not None or engine_kwargs.get("enforce_eager"):
         return engine_kwargs.get("compilation_config")
     from nanovllm.engine.model_source import ModelSource, resolve_model
@@ -85,7 +109,7 @@ def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | Non
     device = resolve_device(engine_kwargs.get("device", "auto"))
     source = ModelSource.resolve(resolve_model(model), engine_kwargs.get("load_format", "auto"))
     has_experts = source.model_config().num_experts > 0
-    if _why_not(device, engine_kwargs.get("tensor_parallel_size", 1), has_experts) is None:
+    if _why_not(device, engine_kwargs.get("tensor_parallel_size", 1), has_experts) is None and not _why_no_compiler():
         return DEFAULT_CPU_SERVER_MODE
     return None
 
