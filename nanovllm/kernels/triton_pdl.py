@@ -35,7 +35,7 @@ MIN_CAPABILITY = (9, 0)    # griddepcontrol: sm_90 (Hopper) and later
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA device of MIN_CAPABILITY or later, not
+    """Whether kernels on `device` launch with PDL: an NVIDIA GPU of MIN_CAPABILITY or later, not
     under Triton's interpreter (which runs no PTX)."""
     if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
@@ -44,7 +44,8 @@ def enabled(device: torch.device) -> bool:
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+    """An NVIDIA GPU of MIN_CAPABILITY or later (ROCm reports its own architecture numbers here)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
 
 
 def launch_options(device: torch.device) -> dict:
