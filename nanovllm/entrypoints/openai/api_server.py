@@ -259,10 +259,10 @@ def main(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
+        kwargs = engine_kwargs(args)
         multiprocess = args.multiprocess_mode
         if multiprocess is None:
-            multiprocess = default_multiprocess_mode(engine_kwargs(args).get("device", "auto"))
-        kwargs = engine_kwargs(args)
+            multiprocess = default_multiprocess_mode(kwargs.get("device", "auto"))
         kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: compiled
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **kwargs)
