@@ -34,7 +34,9 @@ from nanovllm import LLM, SamplingParams  # noqa: E402
 QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 WARMUP_PROMPTS, WARMUP_TOKENS = 32, 40
-GEMM_SHAPES = [(256, 4096, 12288), (256, 4096, 4096 + 2 * 1024), (1, 4096, 12288)]  # (tokens, in, out)
+# (tokens, in, out): the Qwen3-8B layer's products at B1's 256 rows, and one row
+GEMM_SHAPES = [(256, 4096, 4096 + 2 * 1024), (256, 4096, 4096), (256, 4096, 2 * 12288), (256, 12288, 4096),
+               (1, 4096, 12288)]
 
 
 def timed_cuda(fn, iters: int = 50) -> float:
@@ -62,12 +64,23 @@ def gemm() -> None:
             return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
         xq, xs = fp8.quantize_rows(x)
         mm_s = timed_cuda(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16))
+        fast_s = timed_cuda(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
+                                                     use_fast_accum=True))
+        exact = x.float() @ w.float().t()
+        fast_rel = ((torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
+                                      use_fast_accum=True).float() - exact).norm() / exact.norm()).item()
+        slow_rel = ((torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16).float()
+                     - exact).norm() / exact.norm()).item()
         full_s = timed_cuda(fp8_mm)
         quant_s = timed_cuda(lambda: fp8.quantize_rows(x))
         rel = ((fp8_mm().float() - (x @ w.t()).float()).norm() / (x @ w.t()).float().norm()).item()
         floor_s = (n * k + m * k * 2 + m * n * 2) / 4.3e12  # fp8 weight + bf16 in/out at copy bandwidth
         print(json.dumps(dict(bench="fp8_gemm", shape=[m, k, n], bf16_us=round(bf16_s * 1e6, 1),
-                              scaled_mm_us=round(mm_s * 1e6, 1), quant_us=round(quant_s * 1e6, 1),
+                              scaled_mm_us=round(mm_s * 1e6, 1), fast_accum_us=round(fast_s * 1e6, 1),
+                              tflops=round(2 * m * k * n / mm_s / 1e12, 1),
+                              fast_accum_tflops=round(2 * m * k * n / fast_s / 1e12, 1),
+                              rel_err_vs_fp32=round(slow_rel, 5), fast_accum_rel_err_vs_fp32=round(fast_rel, 5),
+                              quant_us=round(quant_s * 1e6, 1),
                               fp8_total_us=round(full_s * 1e6, 1), fp8_floor_us=round(floor_s * 1e6, 1),
                               rel_err=round(rel, 4))))
     # Does this torch's _scaled_mm take block-wise scales (1x128 activations, 128x128 weights)?

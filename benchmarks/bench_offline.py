@@ -315,9 +315,12 @@ def main():
 
 def kernel_constant(key: str) -> tuple[object, str]:
     """(module, name) of a kernel constant: a plain name is kernels/triton_attn.py's, "module.NAME"
-    another kernels module's (e.g. "triton_pdl.ENABLED")."""
+    another kernels module's (e.g. "triton_pdl.ENABLED"), "nanovllm.package.module.NAME" any
+    module's (e.g. "nanovllm.layers.quantization.fp8.FAST_ACCUM")."""
     module_name, _, name = key.rpartition(".")
-    module = importlib.import_module(f"nanovllm.kernels.{module_name or 'triton_attn'}")
+    if not module_name.startswith("nanovllm."):
+        module_name = f"nanovllm.kernels.{module_name or 'triton_attn'}"
+    module = importlib.import_module(module_name)
     if not hasattr(module, name):
         raise ValueError(f"kernels/{module.__name__.rpartition('.')[2]}.py has no constant {name!r}")
     return module, name

@@ -19,8 +19,10 @@ spread over that tensor's rows. Activations are quantized per token at run time
 (dynamic); checkpoints with static activation scales are refused, as are layers to be
 left unquantized other than the LM head (which is never one of these layers).
 
-The product: per-channel weights run `torch._scaled_mm` (fp8 x fp8, rowwise scales,
-fp32 accumulate; it runs on CPU too, which is how CI tests it). Block-scaled weights run
+The product: per-channel weights run `torch._scaled_mm` (fp8 x fp8, rowwise scales, bf16
+out; it runs on CPU too, which is how CI tests it). On Hopper it accumulates in the tensor
+cores' own accumulator (`use_fast_accum`, FAST_ACCUM) as vLLM's fp8 GEMMs do, rather than
+promoting partial sums to fp32 every few k-steps. Block-scaled weights run
 a Triton GEMM on the GPU (kernels/triton_fp8.py: bf16/fp16 activations times the fp8 weight
 tile, one scale per block; torch 2.11's block-wise `_scaled_mm` is not used, see
 benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dtype per call.
@@ -37,6 +39,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 MIN_SCALE = 1e-12  # an all-zero row or token: any scale is exact; this one avoids 0 / 0
 UNQUANTIZED_OK = ("lm_head", "re:.*lm_head")  # names a checkpoint may leave dense: not our linear layers
+# `_scaled_mm(use_fast_accum=...)`: measured on the H200 (benchmarks/RESULTS.md "Fifteenth session").
+FAST_ACCUM = True
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +101,7 @@ class Fp8LinearMethod(LinearMethod):
         # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it there
         out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
         y = torch._scaled_mm(x_fp8, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale,
-                             out_dtype=out_dtype).to(x.dtype)             # [tokens, out]
+                             out_dtype=out_dtype, use_fast_accum=FAST_ACCUM).to(x.dtype)  # [tokens, out]
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
