@@ -19,14 +19,18 @@ spread over that tensor's rows. Activations are quantized per token at run time
 (dynamic); checkpoints with static activation scales are refused, as are layers to be
 left unquantized other than the LM head (which is never one of these layers).
 
-The product: per-channel weights run `torch._scaled_mm` (fp8 x fp8, rowwise scales, bf16
-out; it runs on CPU too, which is how CI tests it). On Hopper it accumulates in the tensor
-cores' own accumulator (`use_fast_accum`, FAST_ACCUM) as vLLM's fp8 GEMMs do, rather than
-promoting partial sums to fp32 every few k-steps. Block-scaled weights run
+The product: per-channel weights run fp8 x fp8 with rowwise scales: on the GPU a Triton
+kernel for decode-sized batches (kernels/triton_fp8.py's `scaled_fp8_linear`) and
+`torch._scaled_mm` (cuBLAS) for larger ones, which accumulates in the tensor cores' own
+accumulator (`use_fast_accum`, FAST_ACCUM) as vLLM's fp8 GEMMs do, rather than promoting
+partial sums to fp32 every few k-steps (Triton's fp8 products on Hopper do the same by
+default); `_scaled_mm` runs on CPU too, which is how CI tests it. Block-scaled weights run
 a Triton GEMM on the GPU (kernels/triton_fp8.py: bf16/fp16 activations times the fp8 weight
 tile, one scale per block; torch 2.11's block-wise `_scaled_mm` is not used, see
 benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dtype per call.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,10 +102,7 @@ class Fp8LinearMethod(LinearMethod):
             return self._apply_block(layer, x, bias)
         x2 = x.reshape(-1, x.shape[-1])                                   # [tokens, in]
         x_fp8, x_scale = quantize_rows(x2)                                # per token
-        # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it there
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        y = torch._scaled_mm(x_fp8, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale,
-                             out_dtype=out_dtype, use_fast_accum=FAST_ACCUM).to(x.dtype)  # [tokens, out]
+        y = _rowwise_product(x_fp8, x_scale, layer.weight, layer.weight_scale, x.dtype)  # [tokens, out]
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], -1)
@@ -118,6 +119,35 @@ class Fp8LinearMethod(LinearMethod):
             return y.view(*x.shape[:-1], -1)
         scale = expand_block_scales(layer.weight_scale_inv, self.block, layer.weight.shape)
         return F.linear(x, (layer.weight.float() * scale).to(x.dtype), bias)
+
+
+def _rowwise_product(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (weight * w_scale)^T in `dtype`: x_fp8 [M, K], x_scale [M, 1], weight [N, K],
+    w_scale [1, N]. Decode-sized GPU batches run kernels/triton_fp8.py's tiles, the rest `_scaled_mm`;
+    a CPU whose `_scaled_mm` takes per-tensor scales only (torch before 2.13) the dequantized product."""
+    if x_fp8.is_cuda:
+        from nanovllm.kernels import triton_fp8
+        tile = triton_fp8.rowwise_tile(x_fp8, weight)
+        if tile is not None:
+            return triton_fp8.scaled_fp8_linear(x_fp8, x_scale, weight, w_scale, tile).to(dtype)
+        # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it
+        return torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
+                                use_fast_accum=FAST_ACCUM).to(dtype)
+    if not _cpu_rowwise_scaled_mm():
+        return F.linear((x_fp8.float() * x_scale).to(dtype), (weight.float() * w_scale.t()).to(dtype))
+    return torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype)
+
+
+@functools.cache
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes rowwise scales (2.13 does; 2.11 asserts)."""
+    a = torch.ones(2, 16, dtype=FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _per_tensor_loader(layer: nn.Module):
