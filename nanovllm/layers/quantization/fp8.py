@@ -20,7 +20,7 @@ spread over that tensor's rows. Activations are quantized per token at run time
 left unquantized other than the LM head (which is never one of these layers).
 
 The product: per-channel weights run fp8 x fp8 with rowwise scales: on the GPU a Triton
-kernel for decode-sized batches (kernels/triton_fp8.py's `scaled_fp8_linear`) and
+kernel for decode-sized batches (kernels/triton_batch_gemm.py's `scaled_fp8_linear`) and
 `torch._scaled_mm` (cuBLAS) for larger ones, which accumulates in the tensor cores' own
 accumulator (`use_fast_accum`, FAST_ACCUM) as vLLM's fp8 GEMMs do, rather than promoting
 partial sums to fp32 every few k-steps (Triton's fp8 products on Hopper do the same by
@@ -124,13 +124,13 @@ class Fp8LinearMethod(LinearMethod):
 def _rowwise_product(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
     """(x_fp8 * x_scale) @ (weight * w_scale)^T in `dtype`: x_fp8 [M, K], x_scale [M, 1], weight [N, K],
-    w_scale [1, N]. Decode-sized GPU batches run kernels/triton_fp8.py's tiles, the rest `_scaled_mm`;
+    w_scale [1, N]. Decode-sized GPU batches run kernels/triton_batch_gemm.py's tiles, the rest `_scaled_mm`;
     a CPU whose `_scaled_mm` takes per-tensor scales only (torch before 2.13) the dequantized product."""
     if x_fp8.is_cuda:
-        from nanovllm.kernels import triton_fp8
-        tile = triton_fp8.rowwise_tile(x_fp8, weight)
+        from nanovllm.kernels import triton_batch_gemm
+        tile = triton_batch_gemm.tile_for(x_fp8, weight)
         if tile is not None:
-            return triton_fp8.scaled_fp8_linear(x_fp8, x_scale, weight, w_scale, tile).to(dtype)
+            return triton_batch_gemm.scaled_fp8_linear(x_fp8, x_scale, weight, w_scale, tile).to(dtype)
         # CUDA's rowwise-scaled product writes bf16 only: other dtypes are cast from it
         return torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16,
                                 use_fast_accum=FAST_ACCUM).to(dtype)
