@@ -62,9 +62,8 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight in the engine's dtype; the product is `F.linear` (on the CPU, oneDNN's
-    on a packed copy for batches: kernels/cpu_gemm.py; on the GPU, one-row batches by
-    kernels/triton_skinny_gemm.py, decode-sized ones by kernels/triton_batch_gemm.py where its
-    table says)."""
+    on a packed copy for batches: kernels/cpu_gemm.py; on the GPU, batches of a few rows by
+    kernels/triton_skinny_gemm.py)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -73,13 +72,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
-            from nanovllm.kernels import triton_batch_gemm, triton_skinny_gemm
+            from nanovllm.kernels import triton_skinny_gemm
             if triton_skinny_gemm.applies(x, layer.weight):
                 return triton_skinny_gemm.skinny_linear(x, layer.weight, bias)
-            x2 = x.reshape(-1, x.shape[-1])
-            tile = triton_batch_gemm.tile_for(x2, layer.weight)
-            if tile is not None:
-                return triton_batch_gemm.batch_linear(x2, layer.weight, bias, tile).view(*x.shape[:-1], -1)
         return dense_linear(x, layer.weight, bias, getattr(layer, "packed_weight", None),
                             getattr(layer, "int8_weight", None))
 
