@@ -7,10 +7,12 @@ kernels never launch with it and these tests skip):
 
 - deterministically: a kernel that lets the next one start at once and only writes its output
   after a long spin, followed by each kind of PDL consumer of that output (RMSNorm, a one-row
-  product in either form): a consumer reading before its wait would see the old values;
+  product in either form, SiLU-and-mul, the fp8 activations' quantization and the fp8 batch
+  product): a consumer reading before its wait would see the old values;
 - end to end: an engine with PDL on and the same engine with it off give the same ids and
   logprobs bit for bit, one sequence at a time (one-row steps: the skinny products, split-KV
-  decodes) and batched, over a bf16 and an fp8 KV cache, with the one-row products in either form.
+  decodes) and batched, over a bf16 and an fp8 KV cache, with the one-row products in either
+  form, and with fp8 weights.
 """
 import gc
 
@@ -97,9 +99,46 @@ def test_consumers_wait_for_a_late_writer(monkeypatch, whole_row):
 
 
 @needs_pdl_gpu
-@pytest.mark.parametrize("family,kv_cache_dtype,whole_row", [("qwen3", "auto", True), ("qwen2", "auto", True),
-                                                              ("qwen3", "fp8", True), ("qwen3", "auto", False)])
-def test_outputs_identical_with_and_without_pdl(tiny_model, family, kv_cache_dtype, whole_row, monkeypatch):
+def test_batch_consumers_wait_for_a_late_writer():
+    """SiLU-and-mul, the fp8 quantization of activations and the fp8 batch product each read
+    what a late writer wrote last (batches of 40 rows: the batch product's tile)."""
+    from nanovllm.kernels import triton_batch_gemm, triton_ops
+    from nanovllm.layers.quantization import fp8
+    g = torch.Generator(device="cuda").manual_seed(6)
+    rows, k, n = 40, 1024, 512
+    values = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    w_fp8, w_scale = fp8.quantize_rows(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5)
+    w_scale = w_scale.reshape(1, -1).contiguous()
+    values_fp8, values_scale = fp8.quantize_rows(values)
+    tile = triton_batch_gemm.tile_for(values_fp8, w_fp8)
+    assert tile is not None
+    ref_silu = triton_ops.silu_and_mul(values)
+    ref_product = triton_batch_gemm.scaled_fp8_linear(values_fp8, values_scale, w_fp8, w_scale, tile)
+    for _ in range(3):
+        x = torch.zeros_like(values)
+        x_fp8, x_scale = torch.zeros_like(values_fp8), torch.zeros_like(values_scale)
+        torch.cuda.synchronize()
+        _late_write(x, values)
+        silu = triton_ops.silu_and_mul(x)
+        _late_write(x, -values)
+        _late_write(x, values)
+        quantized, scale = fp8.quantize_rows(x)
+        _late_write(x_fp8.view(torch.uint8), values_fp8.view(torch.uint8))
+        _late_write(x_scale, values_scale)
+        product = triton_batch_gemm.scaled_fp8_linear(x_fp8, x_scale, w_fp8, w_scale, tile)
+        torch.cuda.synchronize()
+        assert torch.equal(silu, ref_silu)
+        assert torch.equal(quantized.view(torch.uint8), values_fp8.view(torch.uint8))
+        assert torch.equal(scale, values_scale)
+        assert torch.equal(product, ref_product)
+
+
+@needs_pdl_gpu
+@pytest.mark.parametrize("family,kv_cache_dtype,whole_row,quantization",
+                         [("qwen3", "auto", True, None), ("qwen2", "auto", True, None), ("qwen3", "fp8", True, None),
+                          ("qwen3", "auto", False, None), ("qwen3", "fp8", True, "fp8")])
+def test_outputs_identical_with_and_without_pdl(tiny_model, family, kv_cache_dtype, whole_row, quantization,
+                                                monkeypatch):
     from nanovllm.kernels import triton_pdl, triton_skinny_gemm
     monkeypatch.setattr(triton_skinny_gemm, "WHOLE_ROW_MAX_BYTES", 1 << 30 if whole_row else 0)
     path, _ = tiny_model(family)
@@ -108,7 +147,7 @@ def test_outputs_identical_with_and_without_pdl(tiny_model, family, kv_cache_dty
 
     def run():
         llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="bfloat16", max_num_seqs=4,
-                  num_kvcache_blocks=256, kv_cache_dtype=kv_cache_dtype)
+                  num_kvcache_blocks=256, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
         outs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
         outs += [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm

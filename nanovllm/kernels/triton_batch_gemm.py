@@ -19,12 +19,18 @@ The same tiles over bf16 operands lost to cuBLAS at every row count on Qwen3-0.6
 products (a layer's four: 28.8-43.7 us against 23.6-27.8 at 16-256 rows), so 16-bit batches
 stay with cuBLAS (RESULTS.md "Fifteenth session").
 
+Launched with programmatic dependent launch where the GPU has it (kernels/triton_pdl.py), as
+the activations' quantization before it (triton_fp8.quantize_rows) and the SiLU-and-mul and
+RMSNorm around it are: a decode step's chain of small kernels then starts each one early.
+
 Variants: one per tile of the table (a bounded set, met while CUDA graphs are captured at
 start-up); the row count is a grid size and a `do_not_specialize` argument, never a constexpr.
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 # (most rows, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)): a batch takes the tile of the
 # first entry whose row bound holds; a batch above the last bound, or an entry whose tile is None,
@@ -37,8 +43,10 @@ FP8_TILES: tuple = ((64, (64, 32, 128, 4, 5)), (192, (64, 64, 128, 4, 4)))
 
 @triton.jit(do_not_specialize=["M"])
 def _scaled_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of y = (x * xs) @ (w * ws)^T; K a multiple of BLOCK_K."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BLOCK_M]
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                 # [BLOCK_N]
     rk = tl.arange(0, BLOCK_K)
@@ -80,5 +88,6 @@ def scaled_fp8_linear(x_fp8: torch.Tensor, x_scale: torch.Tensor, weight: torch.
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x_fp8.device)
     _scaled_fp8_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x_fp8, x_scale, weight, w_scale, out, m, n, k, x_fp8.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **launch_options(x_fp8.device))
     return out

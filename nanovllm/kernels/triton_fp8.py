@@ -25,12 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
+
 NUM_WARPS = 8
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, cols,
-                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
@@ -50,7 +55,8 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype, min_scale: float) -> 
     if rows:
         _quantize_rows_kernel[(rows,)](x, out, scale, x.stride(0), out.stride(0), cols,
                                        FP8_MAX=torch.finfo(fp8_dtype).max, MIN_SCALE=min_scale,
-                                       BLOCK=triton.next_power_of_2(cols), num_warps=NUM_WARPS)
+                                       BLOCK=triton.next_power_of_2(cols), num_warps=NUM_WARPS,
+                                       **launch_options(x.device))
     return out, scale
 
 

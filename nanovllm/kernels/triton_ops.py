@@ -214,7 +214,9 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -232,7 +234,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     num_tokens, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(num_tokens, d, dtype=x.dtype, device=x.device)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, SILU_BLOCK))](
-        x, out, x.stride(0), out.stride(0), d, BLOCK=SILU_BLOCK)
+        x, out, x.stride(0), out.stride(0), d, BLOCK=SILU_BLOCK, **launch_options(x.device))
     return out
 
 
