@@ -43,8 +43,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
     consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
-                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, PDL=True,
-                  **ta._l2_prefetch_args_for(HEAD_DIM, 1 if fp8 else 2, v_key_minor, pdl=True))
+                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",

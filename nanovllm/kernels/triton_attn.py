@@ -76,8 +76,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma
-from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, l2_lines, load_kv_tile, prefetch_kv_tile_l2,
-                                                 split_tile_range)
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
@@ -201,8 +200,6 @@ DECODE_FMA_MAX_GROUP = 2
 # (bench_long_context.py, RESULTS.md "GPU round 2"): past 2 programs per multiprocessor the
 # shorter segments cost more than the fuller GPU gains.
 TARGET_PROGRAMS_PER_SM = 8
-# Each program asks L2 for its first K/V tile before it waits for the kernel ahead (PDL only).
-DECODE_L2_PREFETCH = True
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
@@ -392,38 +389,24 @@ def _unified_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
-        PV_MMA: tl.constexpr, PDL: tl.constexpr, L2_PREFETCH: tl.constexpr,
-        LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+        PV_MMA: tl.constexpr, PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
     side: they share its block-table rows, and the cache rows they read lie together
     (a token's heads are adjacent in the cache). Sequence-major order was 2.7% slower
-    over B1's decode batches (RESULTS.md "B1").
-
-    L2_PREFETCH (with PDL): before its wait, while the kernel ahead still runs, a program
-    asks L2 for the K/V rows of its first tile (the sequence lengths and block tables are
-    the step's inputs, written before the step's first kernel)."""
+    over B1's decode batches (RESULTS.md "B1")."""
     launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(2)
     kv_head = tl.program_id(1) // num_splits
     split = tl.program_id(1) % num_splits
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    ctx_len = tl.load(seq_lens_k_ptr + seq)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if L2_PREFETCH:
-        first_tile = split_tile_range(tl.minimum(ctx_len - q_len + (q_block + 1) * BLOCK_Q, ctx_len), 0, split,
-                                      num_splits, BLOCK_N)[0]
-        positions = first_tile * BLOCK_N + tl.arange(0, BLOCK_N)           # [BLOCK_N]
-        prefetch_kv_tile_l2(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                            stride_kb, stride_kr, stride_kh, LINES, LINE_ELEMS, PAGE_SIZE)
-        prefetch_kv_tile_l2(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
-                            stride_vb, stride_vr, stride_vh, LINES, LINE_ELEMS, PAGE_SIZE)
-    wait_for_prior_grid(PDL)
     if q_block * BLOCK_Q >= q_len:
         return
+    ctx_len = tl.load(seq_lens_k_ptr + seq)
     if KV_FP8:  # the KV head's key scale joins the softmax scale
         scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     rows = tl.arange(0, BLOCK_M)
@@ -444,6 +427,7 @@ def _unified_attention_kernel(
 
     m_i = tl.full([BLOCK_M], RUNNING_MAX_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if FP8_MMA:  # transposed products on the fp8 tensor cores (DECODE_FP8_QUERY_QUANT)
         q8, q_scale = _quantize_rows_e4m3(q)                      # [BLOCK_M, D] e4m3, [BLOCK_M]
         q_t = tl.trans(q8)                                        # [HEAD_DIM_PAD, BLOCK_M]
@@ -553,17 +537,6 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
         v_cache = torch.empty((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
         return k_cache, v_cache.permute(0, 3, 1, 2)
     return k_cache, torch.empty_like(k_cache)
-
-
-def _l2_prefetch_args(device: torch.device, head_dim: int, element_size: int, v_key_minor: bool) -> dict:
-    """The kernel's L2_PREFETCH constants: on where it launches with PDL (its prefetch then
-    overlaps the kernel ahead), DECODE_L2_PREFETCH is set and V's rows are head_dim-contiguous."""
-    return _l2_prefetch_args_for(head_dim, element_size, v_key_minor, launch_options(device)["PDL"])
-
-
-def _l2_prefetch_args_for(head_dim: int, element_size: int, v_key_minor: bool, pdl: bool) -> dict:
-    lines, line_elems = l2_lines(head_dim, element_size)
-    return {"L2_PREFETCH": DECODE_L2_PREFETCH and pdl and not v_key_minor, "LINES": lines, "LINE_ELEMS": line_elems}
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -720,7 +693,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
-        **_l2_prefetch_args(q.device, head_dim, k_cache.element_size(), v_key_minor),
         **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)

@@ -1,7 +1,6 @@
 """What the attention kernels (`triton_attn`, `triton_decode_fma`) share about a paged cache:
-the gather of one K or V tile through a sequence's block table (or its prefetch into L2),
-which KV tiles one split of a context covers, and which of their common run-time arguments
-are not specialized."""
+the gather of one K or V tile through a sequence's block table, which KV tiles one split of a
+context covers, and which of their common run-time arguments are not specialized."""
 import triton
 import triton.language as tl
 
@@ -10,14 +9,6 @@ import triton.language as tl
 # `% 16 == 0`): the block-table width, and the split count with the workspace strides that
 # follow from it.
 RUN_TIME_ARGS = ["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"]
-L2_LINE_BYTES = 128
-
-
-def l2_lines(head_dim: int, element_size: int) -> tuple[int, int]:
-    """(lines a cache row spans, elements a line) for `prefetch_kv_tile_l2`: a power of two of
-    L2_LINE_BYTES lines, at least one."""
-    line_elems = L2_LINE_BYTES // element_size
-    return triton.next_power_of_2(triton.cdiv(head_dim, line_elems)), line_elems
 
 
 @triton.jit
@@ -65,20 +56,3 @@ def split_tile_range(kv_end, seen_by_all, split, num_splits, BLOCK_N: tl.constex
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     full_end = tl.minimum(seen_by_all // BLOCK_N, tile_end)
     return tile_begin, full_end, tl.maximum(tile_begin, full_end), tile_end
-
-
-@triton.jit
-def prefetch_kv_tile_l2(cache_ptr, block_table_ptr, positions, ctx_len, kv_head, stride_b, stride_r, stride_h,
-                        LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Ask L2 for the cache rows of `positions` below `ctx_len` (`prefetch.global.L2` of LINES
-    lines of LINE_ELEMS elements a row, head_dim contiguous: `l2_lines`): a hint that loads nothing into
-    registers, so a kernel can issue it before it may read (kernels/triton_pdl.py); a later
-    load finds the lines in L2. Positions at or past ctx_len prefetch block 0's row instead
-    (an address inside the cache). NVIDIA GPUs only (inline PTX)."""
-    pos_ok = positions < ctx_len
-    block = tl.load(block_table_ptr + positions // PAGE_SIZE, mask=pos_ok, other=0)
-    row_offs = (block.to(tl.int64) * stride_b + (positions % PAGE_SIZE) * stride_r
-                + kv_head * stride_h)                                     # [BLOCK_N], in elements
-    ptrs = cache_ptr + row_offs[:, None] + (tl.arange(0, LINES) * LINE_ELEMS)[None, :]  # [BLOCK_N, LINES]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
