@@ -6,10 +6,10 @@ For each decode product of a model (q/k/v, o, gate/up, down) and row count, a ch
 `--layers` products, each on its own weight (together far beyond L2, as in a decode step),
 captured in one CUDA graph and replayed: microseconds per product (fp8: the activations'
 per-token quantization is the same for every variant and not timed). Then, per row count,
-the fastest Triton tile over the model's four products against cuBLAS (fp8 with fast
-accumulation, the engine's), and the table that takes Triton where it won by more than
-MIN_GAIN: for fp8 printed as the `FP8_TILES` constants JSON for the benchmarks'
-`--attn-constants`.
+the fastest Triton tile over the model's four products against cuBLAS ("cublas": for fp8
+with fast accumulation, the engine's; "cublas_exact_accum" without), and the table that
+takes Triton where it won by more than MIN_GAIN: for fp8 printed as the `FP8_TILES`
+constants JSON for the benchmarks' `--attn-constants`.
 
     python benchmarks/bench_batch_gemm.py                       # fp8, Qwen3-8B
     python benchmarks/bench_batch_gemm.py --dtype bf16 --model 0.6b
@@ -44,7 +44,7 @@ def fp8_variants(tiles):
 
     def triton_tile(tile):
         return lambda x, w: triton_batch_gemm.scaled_fp8_linear(x[0], x[1], w[0], w[1], tile)
-    return {"cublas_fast": cublas(True), "cublas": cublas(False),
+    return {"cublas": cublas(True), "cublas_exact_accum": cublas(False),
             **{"triton_" + "_".join(map(str, t)): triton_tile(tuple(t)) for t in tiles}}
 
 
@@ -79,7 +79,7 @@ def bf16_tile(x, w, tile):
 def bf16_variants(tiles):
     def triton_tile(tile):
         return lambda x, w: bf16_tile(x, w, tile)
-    return {"cublas_fast": lambda x, w: F.linear(x, w),
+    return {"cublas": lambda x, w: F.linear(x, w),
             **{"triton_" + "_".join(map(str, t)): triton_tile(tuple(t)) for t in tiles}}
 
 
@@ -109,7 +109,7 @@ def main():
         for name, n, k in shapes:
             x = operand(rows, k, args.dtype)
             xs = [x] * args.layers
-            ref = fns["cublas_fast"](x, weights[name][0]).float()
+            ref = fns["cublas"](x, weights[name][0]).float()
             for vname, fn in fns.items():
                 err = ((fn(x, weights[name][0]).float() - ref).norm() / ref.norm()).item()
                 us = time_chain(fn, xs, weights[name])
@@ -121,13 +121,16 @@ def main():
     table = []
     for rows in map(int, args.rows.split(",")):
         best = min((v for v in fns if v.startswith("triton_")), key=lambda v: totals[(rows, v)])
-        cublas_us, best_us = totals[(rows, "cublas_fast")], totals[(rows, best)]
+        cublas_us, best_us = totals[(rows, "cublas")], totals[(rows, best)]
         print(json.dumps(dict(bench="batch_gemm_layer", dtype=args.dtype, model=args.model, rows=rows,
                               cublas_us=round(cublas_us, 1), best_triton=best,
                               best_triton_us=round(best_us, 1), gain=round(cublas_us / best_us - 1, 3))))
         tile = list(map(int, best.split("_")[1:])) if best_us < cublas_us * (1 - MIN_GAIN) else None
         table.append([rows, tile])
-    print("TILES_JSON=" + json.dumps({"triton_batch_gemm.FP8_TILES" if args.dtype == "fp8" else "bf16": table}))
+    if args.dtype == "fp8":
+        print("TILES_JSON=" + json.dumps({"triton_batch_gemm.FP8_TILES": table}))
+    else:
+        print(json.dumps(dict(bench="batch_gemm_table", dtype="bf16", table=table)))
 
 
 if __name__ == "__main__":

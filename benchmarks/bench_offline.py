@@ -322,7 +322,7 @@ def kernel_constant(key: str) -> tuple[object, str]:
         module_name = f"nanovllm.kernels.{module_name or 'triton_attn'}"
     module = importlib.import_module(module_name)
     if not hasattr(module, name):
-        raise ValueError(f"kernels/{module.__name__.rpartition('.')[2]}.py has no constant {name!r}")
+        raise ValueError(f"{module.__name__} has no constant {name!r}")
     return module, name
 
 

@@ -147,4 +147,3 @@ def test_block_fp8_linear_matches_the_dequantized_product(gen, m):
     got = triton_fp8.block_fp8_linear(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), block).float().cpu()
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"relative error {rel:.2e}, seed {gen.initial_seed()}"
-

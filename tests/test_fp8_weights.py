@@ -271,3 +271,20 @@ def test_triton_quantize_rows_matches_torch():
     differ = got.view(torch.uint8) != expected.view(torch.uint8)
     assert differ.float().mean() < 1e-3
     assert ((got.view(torch.uint8).int() - expected.view(torch.uint8).int()).abs() <= 1).all()
+
+
+def test_cpu_fallback_without_rowwise_scaled_mm_matches_it(monkeypatch):
+    """Where torch's CPU `_scaled_mm` takes per-tensor scales only (torch 2.11), the product of the
+    dequantized operands stands in: the same values as the rowwise `_scaled_mm` within fp32 summation
+    order, rounded once to the output dtype."""
+    g = torch.Generator().manual_seed(4)
+    x_fp8, x_scale = fp8.quantize_rows(torch.randn(5, 64, generator=g) * 3)
+    w_fp8, w_scale = fp8.quantize_rows(torch.randn(24, 64, generator=g) * 0.05)
+    w_scale = w_scale.reshape(1, -1).contiguous()
+    expected = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32)
+    monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fp8._rowwise_product(x_fp8, x_scale, w_fp8, w_scale, dtype)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5)

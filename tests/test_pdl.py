@@ -126,7 +126,11 @@ def test_batch_consumers_wait_for_a_late_writer():
         _late_write(x_fp8.view(torch.uint8), values_fp8.view(torch.uint8))
         _late_write(x_scale, values_scale)
         product = triton_batch_gemm.scaled_fp8_linear(x_fp8, x_scale, w_fp8, w_scale, tile)
+        x_fp8.zero_()
+        _late_write(x_fp8.view(torch.uint8), values_fp8.view(torch.uint8))  # the values written last
+        product_after_values = triton_batch_gemm.scaled_fp8_linear(x_fp8, x_scale, w_fp8, w_scale, tile)
         torch.cuda.synchronize()
+        assert torch.equal(product_after_values, ref_product)
         assert torch.equal(silu, ref_silu)
         assert torch.equal(quantized.view(torch.uint8), values_fp8.view(torch.uint8))
         assert torch.equal(scale, values_scale)
@@ -136,7 +140,10 @@ def test_batch_consumers_wait_for_a_late_writer():
 @needs_pdl_gpu
 @pytest.mark.parametrize("family,kv_cache_dtype,whole_row,quantization",
                          [("qwen3", "auto", True, None), ("qwen2", "auto", True, None), ("qwen3", "fp8", True, None),
-                          ("qwen3", "auto", False, None), ("qwen3", "fp8", True, "fp8")])
+                          ("qwen3", "auto", False, None),
+                          # fp8 weights: the o and down products (K = 128) take triton_batch_gemm's tile, the
+                          # tiny model's q/k/v and gate/up (K = hidden = 64) cuBLAS
+                          ("qwen3", "fp8", True, "fp8")])
 def test_outputs_identical_with_and_without_pdl(tiny_model, family, kv_cache_dtype, whole_row, quantization,
                                                 monkeypatch):
     from nanovllm.kernels import triton_pdl, triton_skinny_gemm

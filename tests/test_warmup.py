@@ -46,6 +46,17 @@ def test_steps_cover_every_kind_of_step():
     assert not any(s.decode_round for s in warmup_steps(MAX_MODEL_LEN, CHUNK, MAX_NUM_SEQS, multi_step=False))
 
 
+def test_steps_prefill_each_product_tile_bound(monkeypatch):
+    """A batch of each row bound of the fp8 product table that a prefill chunk can hold: the tile
+    of batches between the CUDA-graph sizes is compiled too."""
+    bg = pytest.importorskip("nanovllm.kernels.triton_batch_gemm")
+    tile = (64, 32, 128, 4, 5)
+    monkeypatch.setattr(bg, "FP8_TILES", ((16, tile), (40, None), (48, tile), (CHUNK + 1, tile)))
+    steps = _kinds(warmup_steps(MAX_MODEL_LEN, CHUNK, MAX_NUM_SEQS, multi_step=True))
+    bounds = [step.seqs[0].scheduled for name, step in steps.items() if name.endswith("(a product tile's bound)")]
+    assert bounds == [16, 48]  # no tile at 40; CHUNK + 1 tokens fit no step
+
+
 def test_tiny_limits_still_fit():
     for step in warmup_steps(12, 4, 1, multi_step=True):
         assert all(1 <= s.scheduled <= max(4, 2) and s.total + 2 * MULTI_STEP_STEPS <= 12 for s in step.seqs)

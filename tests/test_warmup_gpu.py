@@ -58,15 +58,21 @@ def _workload(llm):
                         for i in range(len(many))], use_tqdm=False)
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8-weights"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_nothing_compiles_after_start_up(tiny_model, enforce_eager):
+def test_nothing_compiles_after_start_up(tiny_model, enforce_eager, quantization):
+    """fp8 weights: the tiny model's o and down products (K = 128) take triton_batch_gemm's tiles,
+    whose tile changes with the batch's rows; the workload's 120-token prompts and 300-token
+    prefixes prefill batches between the CUDA-graph sizes and a whole chunk."""
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 weights need an fp8 GPU (sm_89 or later)")
     path = tiny_model("qwen3")[0]
     counter = VariantCounter()
     if not counter.available:
         pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")
     llm = LLM(path, device="cuda", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=CHUNK, num_kvcache_blocks=KV_BLOCKS,
-              enforce_eager=enforce_eager)
+              enforce_eager=enforce_eager, quantization=quantization)
     with counter:
         _workload(llm)
     assert counter.names == [], f"kernel variants first met after start-up: {counter.names}"

@@ -12,7 +12,9 @@ step the scheduler makes, so whatever the model's forward and the sampler reach 
 including kernels added later:
 
 - prefill: a short prompt, a whole chunk of `max_num_batched_tokens`, a chunk that stops
-  mid-prompt (no sampling), a few tokens over a long cached prefix (split-KV);
+  mid-prompt (no sampling), a few tokens over a long cached prefix (split-KV), and one of
+  each token count at which a product kernel changes its tile (`_product_row_bounds`: the
+  batches between the CUDA-graph sizes and a whole chunk);
 - a mixed step (a decode beside a prefill chunk);
 - decodes at every CUDA-graph batch size (or, eager, at the same sizes) and one decode at
   the longest context (split-KV);
@@ -146,6 +148,9 @@ def warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: 
         WarmupStep("decode, longest context", (_decode(longest),)),
         WarmupStep("prompt logprobs", (_prefill(short, params=PROMPT_LOGPROBS),)),
     ]
+    for rows in _product_row_bounds():
+        if rows <= chunk:
+            steps.append(WarmupStep(f"prefill, {rows} tokens (a product tile's bound)", (_prefill(rows),)))
     for size in sorted(set(capture_sizes(max_num_seqs)) | {max_num_seqs}):
         steps.append(WarmupStep(f"decode, batch {size}", tuple(_decode(short) for _ in range(size))))
     for name, params in SAMPLING_PROFILES.items():
@@ -158,6 +163,16 @@ def warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: 
         steps.append(WarmupStep("multi-step rounds", tuple(_decode(short) for _ in range(batch)), True))
         steps.append(WarmupStep("multi-step rounds, longest context", (_decode(longest),), True))
     return steps
+
+
+def _product_row_bounds() -> list[int]:
+    """Token counts up to which a product kernel keeps one tile (kernels/triton_batch_gemm.py's
+    table); none without Triton."""
+    try:
+        from nanovllm.kernels import triton_batch_gemm
+    except ImportError:
+        return []
+    return triton_batch_gemm.row_bounds()
 
 
 def _sequence(shape: ScratchSeq, block_size: int, vocab_size: int, blocks: int) -> Sequence:

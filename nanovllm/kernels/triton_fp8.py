@@ -102,4 +102,3 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SCALE_N=bn)
     return out
-
