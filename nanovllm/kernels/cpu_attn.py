@@ -46,7 +46,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_decode_mirror, cpu_prefill_attn, kv_quant, torch_ref
+from nanovllm.kernels import cpu_decode_mirror, cpu_paged_decode, cpu_prefill_attn, kv_quant, torch_ref
 from nanovllm.kernels.step_memo import once_per_step
 from nanovllm.utils.device import cpu_has_fast_bf16
 
@@ -155,6 +155,12 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
     return tuple(torch.empty(memory, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(2))
 
 
+def prepare_decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Build the C++ decode kernel now (engine start-up), not at the first decode step; whether
+    decode steps will run it (False: no C++ compiler, or dtypes / head size it is not built for)."""
+    return cpu_paged_decode.prepare(q_dtype, cache_dtype, head_dim)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_seqlen_k: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +170,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
     """
+    kernel = cpu_paged_decode.kernel_for(q.dtype, k_cache.dtype, q.shape[2])
+    if kernel is not None:  # the C++ kernel over the paged cache as it lies
+        return cpu_paged_decode.decode_attention(kernel, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
+                                                 cpu_decode_mirror.longest(seq_lens_k), k_scale, v_scale)
     mirror = cpu_decode_mirror.lookup(k_cache, block_tables, seq_lens_k)
     if mirror is not None:
         cpu_decode_mirror.append(mirror, k_cache, v_cache, block_tables, seq_lens_k, (k_scale, v_scale))
