@@ -1,5 +1,14 @@
 """CPU paged attention: decode steps batched in one call; everything else by the reference.
 
+Where a C++ compiler is found (the one torch.compile uses), a decode step, and the decodes of
+a mixed step, run the C++ kernel of kernels/cpu_paged_decode.py, which reads each sequence's
+K/V where the paged cache holds them. On SmolLM2's shapes, two threads, caches read cold, us a
+layer (bf16 and fp32; benchmarks/RESULTS.md "B2 CPU, round 12"): 1 sequence 17-21 against
+80-155; 16 sequences 290-460 against 500-670 over the decode mirror (a batch that lasts) and
+830-1,620 gathered afresh (a server's changing batch); 64 sequences 1,700-1,800 against
+1,900-2,600 and 4,450-5,460. What follows is the torch-only path, which runs without a
+compiler (and for head sizes the kernel is not built for):
+
 `torch_ref.paged_attention` attends one sequence at a time, which is clear but
 costs one small SDPA call per sequence and layer: at 64 sequences and 30 layers,
 1,920 calls per decode step. Here a decode-only step (every sequence has one query
