@@ -1,11 +1,12 @@
 // Paged decode attention on the CPU: one query token per sequence, each sequence's keys and
 // values read where the paged cache holds them (no gather, no copy), fp32 accumulation.
 // Why and when it runs: nanovllm/kernels/cpu_paged_decode.py, which compiles this file
-// through torch Inductor's C++ code cache after defining the element types:
-//   QT: the query's and the output's (float, at::BFloat16, at::Half)
-//   CT: the cache's (QT, or c10::Float8_e4m3fn / c10::Float8_e5m2 with per-KV-head scales)
-// the head size D (a multiple of the vector width: a head's floats fit in registers), and
-// PREFETCH_AHEAD, how many blocks ahead of the one being read are prefetched.
+// through torch Inductor's C++ code cache after defining four macros:
+//   QUERY_TYPE: the query's and the output's element type (float, at::BFloat16, at::Half)
+//   CACHE_TYPE: the cache's (QUERY_TYPE, or c10::Float8_e4m3fn / c10::Float8_e5m2 with
+//               per-KV-head scales)
+//   HEAD_DIM: a multiple of the vector width (a head's floats fit in registers)
+//   PREFETCH_BLOCKS: how many blocks ahead of the one being read are prefetched
 //
 // Work: one task per (sequence, KV head, key partition). A task loads the query heads of its
 // KV head's group once, reads each of its K rows once for all of them (scores), takes the
@@ -13,6 +14,8 @@
 // row once (weighted sum). A sequence with one partition writes its output directly; with
 // several (few long sequences: the caller splits them so that every thread gets work), each
 // partition leaves its (max, sum, unnormalised output) and a second loop merges them.
+#include <Python.h>  // (first, as Python asks): only to let other Python threads run meanwhile
+
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -25,6 +28,11 @@
 #include <limits>
 #include <stdexcept>
 #include <vector>
+
+using QT = QUERY_TYPE;
+using CT = CACHE_TYPE;
+constexpr int64_t D = HEAD_DIM;
+constexpr int64_t PREFETCH_AHEAD = PREFETCH_BLOCKS;
 
 namespace {
 
@@ -257,6 +265,9 @@ extern "C" void kernel(const QT* q, const CT* k, const CT* v, const int32_t* tab
                   {v_block, v_row, v_head}, num_heads, kv_heads, d, block_size, table_width, part_len,
                   num_parts, scale};
   const int64_t num_tasks = num_seqs * kv_heads * num_parts;
+  // No Python object is touched below: the GIL is released, as torch's own ops do, so that
+  // another Python thread (a server's event loop beside its engine thread) runs meanwhile.
+  Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scratch(p.group() * (part_len + 2 * d + 2));
@@ -268,4 +279,5 @@ extern "C" void kernel(const QT* q, const CT* k, const CT* v, const int32_t* tab
       for (int64_t pair = 0; pair < num_seqs * kv_heads; ++pair) merge(p, pair);
     }
   }
+  Py_END_ALLOW_THREADS
 }

@@ -33,7 +33,7 @@ from nanovllm.utils import cpp_compiler
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# The C++ element types the source is built for (`QT`: query and output, `CT`: cache).
+# The C++ element types the source is built for (QUERY_TYPE: query and output, CACHE_TYPE: cache).
 CPP_TYPES = {
     torch.float32: "float",
     torch.bfloat16: "at::BFloat16",
@@ -81,9 +81,8 @@ def prepare(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bo
 def _build(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
     q, c = CPP_TYPES[q_dtype], CPP_TYPES[cache_dtype]
-    constants = (f"using QT = {q};\nusing CT = {c};\nconstexpr int64_t D = {head_dim};\n"
-                 f"constexpr int64_t PREFETCH_AHEAD = {PREFETCH_BLOCKS};\n")
-    source = constants + SOURCE.read_text()
+    macros = {"QUERY_TYPE": q, "CACHE_TYPE": c, "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
+    source = "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
     try:
         return CppPythonBindingsCodeCache.load_pybinding([t.format(q=q, c=c) for t in _ARG_TYPES], source)
     except Exception as e:  # a compiler that cannot build it: the torch-only path stays
