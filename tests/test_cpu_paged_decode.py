@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_attn, cpu_decode_mirror, cpu_paged_decode, kv_quant, torch_ref
+from nanovllm.kernels import cpu_attn, cpu_decode_mirror, cpu_paged_decode, torch_ref
 from nanovllm.utils import cpp_compiler
 
 needs_compiler = pytest.mark.skipif(not cpp_compiler.cpp_compiler_found(), reason="no C++ compiler found")
@@ -17,6 +17,7 @@ FP32_TOL = 1e-5
 # bf16 outputs of |o| < ~1 against the fp32 reference on the same bf16 values: the kernel's
 # single rounding is at most half a 2^-8 step; a wrong mask, block or head is off by ~0.1-1
 BF16_TOL = 8e-3
+FP16_TOL = 1e-3  # the same for fp16's 2^-11 steps
 
 
 def _case(seq_lens, num_heads, num_kv_heads, dtype, layout, block_size=16, seed=0):
@@ -41,20 +42,17 @@ def _case(seq_lens, num_heads, num_kv_heads, dtype, layout, block_size=16, seed=
     return q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32), tables
 
 
-def _reference(q, k_cache, v_cache, seq_lens, tables, scale, k_scale=None, v_scale=None):
-    """torch_ref in fp32 on the same (dequantized) values.  # [num_seqs, num_heads, d]"""
-    if kv_quant.is_fp8(k_cache.dtype):
-        k_cache = kv_quant.dequantize(k_cache, k_scale, torch.float32)
-        v_cache = kv_quant.dequantize(v_cache, v_scale, torch.float32)
+def _reference(q, k_cache, v_cache, seq_lens, tables, scale):
+    """torch_ref in fp32 on the same values.  # [num_seqs, num_heads, d]"""
     cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     return torch_ref.paged_attention(q.float(), k_cache.float(), v_cache.float(), cu, seq_lens, tables, scale)
 
 
-def _kernel_out(q, k_cache, v_cache, seq_lens, tables, scale, k_scale=None, v_scale=None):
+def _kernel_out(q, k_cache, v_cache, seq_lens, tables, scale):
     kernel = cpu_paged_decode.kernel_for(q.dtype, k_cache.dtype, q.shape[2])
     assert kernel is not None
     return cpu_paged_decode.decode_attention(kernel, q, k_cache, v_cache, seq_lens, tables, scale,
-                                             int(seq_lens.max()), k_scale, v_scale)
+                                             int(seq_lens.max()))
 
 
 # one token, a block's last and first rows, uneven lengths, one context over 1,000 tokens
@@ -62,7 +60,8 @@ SEQ_LENS = [1, 16, 17, 40, 5, 1100]
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, FP32_TOL), (torch.bfloat16, BF16_TOL),
+                                        (torch.float16, FP16_TOL)])
 @pytest.mark.parametrize("layout", ["interleaved", "heads_major"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (9, 3), (8, 2)])  # groups 1, 3, 4
 def test_kernel_matches_reference(dtype, tol, layout, num_heads, num_kv_heads):
@@ -102,21 +101,12 @@ def test_a_32k_context():
                                rtol=BF16_TOL, atol=BF16_TOL)
 
 
-@needs_compiler
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_cache_dequantized_in_the_kernel(cache_dtype):
-    """An fp8 cache with per-KV-head scales: the kernel dequantizes each element exactly and
-    applies the scales in fp32; bf16 queries and outputs."""
-    q, k_cache, v_cache, seq_lens, tables = _case(SEQ_LENS, 9, 3, torch.float32, "heads_major", seed=3)
-    k_scale, v_scale = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0.25, 1.5, 0.75])
-    k8, _ = cpu_attn.new_kv_cache(tuple(k_cache.shape), cache_dtype, torch.device("cpu"))
-    v8, _ = cpu_attn.new_kv_cache(tuple(v_cache.shape), cache_dtype, torch.device("cpu"))
-    k8.copy_(kv_quant.quantize(k_cache.flatten(0, 1), k_scale, cache_dtype).view(k_cache.shape))
-    v8.copy_(kv_quant.quantize(v_cache.flatten(0, 1), v_scale, cache_dtype).view(v_cache.shape))
-    q = q.bfloat16()
-    ours = _kernel_out(q, k8, v8, seq_lens, tables, 0.125, k_scale, v_scale)
-    torch.testing.assert_close(ours.float(), _reference(q, k8, v8, seq_lens, tables, 0.125, k_scale, v_scale),
-                               rtol=BF16_TOL, atol=BF16_TOL)
+def test_fp8_caches_keep_the_torch_only_path():
+    """An fp8 cache is not the kernel's (measured slower: RESULTS.md "B2 CPU, round 12"); nor are
+    head sizes that are not whole vectors."""
+    assert cpu_paged_decode.kernel_for(torch.bfloat16, torch.float8_e4m3fn, HEAD_DIM) is None
+    assert cpu_paged_decode.kernel_for(torch.float32, torch.float8_e5m2, HEAD_DIM) is None
+    assert cpu_paged_decode.kernel_for(torch.float32, torch.float32, 40) is None
 
 
 @needs_compiler

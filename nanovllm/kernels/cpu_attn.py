@@ -180,9 +180,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
     """
     kernel = cpu_paged_decode.kernel_for(q.dtype, k_cache.dtype, q.shape[2])
-    if kernel is not None:  # the C++ kernel over the paged cache as it lies
+    if kernel is not None:  # the C++ kernel over the paged cache as it lies (not for an fp8 cache)
         return cpu_paged_decode.decode_attention(kernel, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
-                                                 cpu_decode_mirror.longest(seq_lens_k), k_scale, v_scale)
+                                                 cpu_decode_mirror.longest(seq_lens_k))
     mirror = cpu_decode_mirror.lookup(k_cache, block_tables, seq_lens_k)
     if mirror is not None:
         cpu_decode_mirror.append(mirror, k_cache, v_cache, block_tables, seq_lens_k, (k_scale, v_scale))

@@ -2,9 +2,7 @@
 // values read where the paged cache holds them (no gather, no copy), fp32 accumulation.
 // Why and when it runs: nanovllm/kernels/cpu_paged_decode.py, which compiles this file
 // through torch Inductor's C++ code cache after defining four macros:
-//   QUERY_TYPE: the query's and the output's element type (float, at::BFloat16, at::Half)
-//   CACHE_TYPE: the cache's (QUERY_TYPE, or c10::Float8_e4m3fn / c10::Float8_e5m2 with
-//               per-KV-head scales)
+//   ELEMENT_TYPE: the query's, the cache's and the output's (float, at::BFloat16, at::Half)
 //   HEAD_DIM: a multiple of the vector width (a head's floats fit in registers)
 //   PREFETCH_BLOCKS: how many blocks ahead of the one being read are prefetched
 //
@@ -18,8 +16,6 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -29,8 +25,7 @@
 #include <stdexcept>
 #include <vector>
 
-using QT = QUERY_TYPE;
-using CT = CACHE_TYPE;
+using T = ELEMENT_TYPE;
 constexpr int64_t D = HEAD_DIM;
 constexpr int64_t PREFETCH_AHEAD = PREFETCH_BLOCKS;
 
@@ -52,12 +47,6 @@ inline Vec load_floats(const at::Half* p) {
   at::vec::load_to_float<at::Half>(p, out);
   return out;
 }
-template <typename T>  // fp8: converted one element at a time (exact)
-inline Vec load_floats(const T* p) {
-  float tmp[W];
-  for (int64_t i = 0; i < W; ++i) tmp[i] = static_cast<float>(p[i]);
-  return Vec::loadu(tmp);
-}
 
 // Where the cache keeps element (block, row, kv_head, 0): strides in elements.
 struct CacheLayout {
@@ -65,14 +54,12 @@ struct CacheLayout {
 };
 
 struct Problem {
-  const QT* q;            // [num_seqs, num_heads, d]
-  const CT* k;            // paged, CacheLayout k_at
-  const CT* v;            // paged, CacheLayout v_at
+  const T* q;             // [num_seqs, num_heads, d]
+  const T* k;             // paged, CacheLayout k_at
+  const T* v;             // paged, CacheLayout v_at
   const int32_t* tables;  // [num_seqs, table_width], -1 padded
   const int32_t* lens;    // [num_seqs] context lengths
-  const float* k_scales;  // [kv_heads]: a cache element reads as element * scale
-  const float* v_scales;
-  QT* out;                // [num_seqs, num_heads, d]
+  T* out;                 // [num_seqs, num_heads, d]
   float* partials;        // [num_seqs, kv_heads, num_parts, group, d + 2] when num_parts > 1
   CacheLayout k_at, v_at;
   int64_t num_heads, kv_heads, d, block_size, table_width, part_len, num_parts;
@@ -82,8 +69,8 @@ struct Problem {
 };
 
 // Asks the CPU to bring `rows` rows of `bytes` bytes at `stride` elements apart into its caches.
-inline void prefetch_rows(const CT* first, int64_t rows, int64_t stride) {
-  constexpr int64_t kLine = 64, kBytes = D * sizeof(CT);
+inline void prefetch_rows(const T* first, int64_t rows, int64_t stride) {
+  constexpr int64_t kLine = 64, kBytes = D * sizeof(T);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < kBytes; b += kLine)
       __builtin_prefetch(reinterpret_cast<const char*>(first + r * stride) + b);
@@ -95,7 +82,7 @@ inline void prefetch_rows(const CT* first, int64_t rows, int64_t stride) {
 // asks for the one PREFETCH_AHEAD runs later before it is read.
 template <bool Keys, typename F>
 inline void for_each_run(const Problem& p, int64_t seq, int64_t head, int64_t start, int64_t end, F f) {
-  const CT* cache = Keys ? p.k : p.v;
+  const T* cache = Keys ? p.k : p.v;
   const CacheLayout& at = Keys ? p.k_at : p.v_at;
   const int32_t* table = p.tables + seq * p.table_width;
   auto run_at = [&](int64_t t) {
@@ -128,7 +115,7 @@ inline void sum4(const Vec& a, const Vec& b, const Vec& c, const Vec& e, float* 
 }
 
 // q . k over the head dimension, as a vector of partial sums.
-inline Vec dot(const float* q, const CT* k) {
+inline Vec dot(const float* q, const T* k) {
   Vec s(0.f);
   for (int64_t c = 0; c < D; c += W) s = at::vec::fmadd(Vec::loadu(q + c), load_floats(k + c), s);
   return s;
@@ -139,13 +126,13 @@ inline Vec dot(const float* q, const CT* k) {
 void task_scores(const Problem& p, int64_t seq, int64_t head, int64_t start, int64_t end, const float* q,
                  float* scores) {
   const int64_t G = p.group(), n = end - start, stride = p.k_at.row;
-  for_each_run<true>(p, seq, head, start, end, [&](const CT* k, int64_t rows, int64_t t0) {
+  for_each_run<true>(p, seq, head, start, end, [&](const T* k, int64_t rows, int64_t t0) {
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float* s = scores + g * n + (t0 - start);
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4) {  // four independent dot products, one reduction
-        const CT* kr = k + r * stride;
+        const T* kr = k + r * stride;
         sum4(dot(qg, kr), dot(qg, kr + stride), dot(qg, kr + 2 * stride), dot(qg, kr + 3 * stride), s + r);
       }
       for (; r < rows; ++r)
@@ -179,7 +166,7 @@ void task_values(const Problem& p, int64_t seq, int64_t head, int64_t start, int
                  float* acc) {
   const int64_t G = p.group(), n = end - start, stride = p.v_at.row;
   std::fill(acc, acc + G * D, 0.f);
-  for_each_run<false>(p, seq, head, start, end, [&](const CT* v, int64_t rows, int64_t t0) {
+  for_each_run<false>(p, seq, head, start, end, [&](const T* v, int64_t rows, int64_t t0) {
     for (int64_t g = 0; g < G; ++g) {
       Vec a[D / W];
       for (int64_t c = 0; c < D / W; ++c) a[c] = Vec::loadu(acc + g * D + c * W);
@@ -208,9 +195,8 @@ void run_task(const Problem& p, int64_t task, float* scratch) {
     for (int64_t g = 0; g < G; ++g) partial[G * d + g] = -std::numeric_limits<float>::infinity();
     return;
   }
-  const QT* q_in = p.q + (seq * p.num_heads + head * G) * d;
-  const float q_scale = p.scale * p.k_scales[head];
-  for (int64_t i = 0; i < G * d; ++i) q[i] = static_cast<float>(q_in[i]) * q_scale;
+  const T* q_in = p.q + (seq * p.num_heads + head * G) * d;
+  for (int64_t i = 0; i < G * d; ++i) q[i] = static_cast<float>(q_in[i]) * p.scale;
   task_scores(p, seq, head, start, end, q, scores);
   for (int64_t g = 0; g < G; ++g) {
     auto [m, s] = exp_in_place(scores + g * (end - start), end - start);
@@ -218,10 +204,10 @@ void run_task(const Problem& p, int64_t task, float* scratch) {
   }
   task_values(p, seq, head, start, end, scores, acc);
   if (p.num_parts == 1) {
-    QT* o = p.out + (seq * p.num_heads + head * G) * d;
+    T* o = p.out + (seq * p.num_heads + head * G) * d;
     for (int64_t g = 0; g < G; ++g) {
-      const float norm = p.v_scales[head] / stats[G + g];
-      for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<QT>(acc[g * d + c] * norm);
+      const float norm = 1.f / stats[G + g];
+      for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(acc[g * d + c] * norm);
     }
     return;
   }
@@ -233,7 +219,7 @@ void run_task(const Problem& p, int64_t task, float* scratch) {
 void merge(const Problem& p, int64_t pair) {
   const int64_t G = p.group(), d = D, head = pair % p.kv_heads, seq = pair / p.kv_heads;
   const float* first = p.partials + pair * p.num_parts * G * (d + 2);
-  QT* o = p.out + (seq * p.num_heads + head * G) * d;
+  T* o = p.out + (seq * p.num_heads + head * G) * d;
   for (int64_t g = 0; g < G; ++g) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t part = 0; part < p.num_parts; ++part) m = std::max(m, first[part * G * (d + 2) + G * d + g]);
@@ -247,21 +233,21 @@ void merge(const Problem& p, int64_t pair) {
       total += w * partial[G * d + G + g];
       for (int64_t c = 0; c < d; ++c) sum_out[c] += w * partial[g * d + c];
     }
-    const float norm = p.v_scales[head] / total;
-    for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<QT>(sum_out[c] * norm);
+    const float norm = 1.f / total;
+    for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(sum_out[c] * norm);
   }
 }
 
 }  // namespace
 
 // The entry point (Inductor's bindings call `kernel`); pointers arrive as tensors' data.
-extern "C" void kernel(const QT* q, const CT* k, const CT* v, const int32_t* tables, const int32_t* lens,
-                       const float* k_scales, const float* v_scales, QT* out, float* partials, int64_t num_seqs,
+extern "C" void kernel(const T* q, const T* k, const T* v, const int32_t* tables, const int32_t* lens, T* out,
+                       float* partials, int64_t num_seqs,
                        int64_t num_heads, int64_t kv_heads, int64_t d, int64_t block_size, int64_t table_width,
                        int64_t k_block, int64_t k_row, int64_t k_head, int64_t v_block, int64_t v_row,
                        int64_t v_head, int64_t part_len, int64_t num_parts, float scale, int64_t num_threads) {
   if (d != D) throw std::invalid_argument("kernel built for another head_dim");
-  const Problem p{q, k, v, tables, lens, k_scales, v_scales, out, partials, {k_block, k_row, k_head},
+  const Problem p{q, k, v, tables, lens, out, partials, {k_block, k_row, k_head},
                   {v_block, v_row, v_head}, num_heads, kv_heads, d, block_size, table_width, part_len,
                   num_parts, scale};
   const int64_t num_tasks = num_seqs * kv_heads * num_parts;

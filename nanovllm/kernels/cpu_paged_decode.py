@@ -17,9 +17,9 @@ dtype), well under 1 s from the cache. `prepare` builds it at engine start-up; w
 no C++ compiler, or the build fails, `kernel_for` returns None and the caller keeps its
 torch-only path (no error, nothing printed).
 
-fp8 caches (e4m3, e5m2) are dequantized in the kernel, element by element (exact), their
-per-KV-head scales applied in fp32: the reference rounds the dequantized values to the query's
-dtype first, so the two differ by that rounding.
+fp8 caches stay on the torch-only path: a first version of this kernel that dequantized e4m3
+element by element (c10's exact conversion) ran 4-13x slower than it (RESULTS.md "B2 CPU,
+round 12").
 """
 import functools
 import logging
@@ -33,15 +33,8 @@ from nanovllm.utils import cpp_compiler
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-# The C++ element types the source is built for (QUERY_TYPE: query and output, CACHE_TYPE: cache).
-CPP_TYPES = {
-    torch.float32: "float",
-    torch.bfloat16: "at::BFloat16",
-    torch.float16: "at::Half",
-    torch.float8_e4m3fn: "c10::Float8_e4m3fn",
-    torch.float8_e5m2: "c10::Float8_e5m2",
-}
-QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The C++ element types (ELEMENT_TYPE: query, cache and output) the source is built for.
+CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
 # head_dim must be a whole number of vectors: 16 floats with AVX512, 8 with AVX2.
 HEAD_DIM_MULTIPLE = 16
 # A sequence's keys are split into partitions (tasks of their own, merged afterwards) only where
@@ -53,23 +46,23 @@ TASKS_PER_THREAD = 4
 # layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12").
 PREFETCH_BLOCKS = 2
 MIN_PARTITION_KEYS = 256
-_ARG_TYPES = (["const {q}*", "const {c}*", "const {c}*", "const int32_t*", "const int32_t*", "const float*",
-               "const float*", "{q}*", "float*"] + ["long"] * 14 + ["float", "long"])
+# the C++ entry point's arguments (kernel() in cpu_paged_decode.cpp), {t} the element type
+_ARG_TYPES = (["const {t}*"] * 3 + ["const int32_t*"] * 2 + ["{t}*", "float*"] + ["long"] * 14
+              + ["float", "long"])
 
 _local = threading.local()  # per-thread scratch for partitions (two engines in two threads)
 
 
 def supports(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernel is built for these dtypes and head size (compiler aside)."""
-    cache_ok = cache_dtype == q_dtype or cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return q_dtype in QUERY_DTYPES and cache_ok and head_dim % HEAD_DIM_MULTIPLE == 0
+    return q_dtype in CPP_TYPES and cache_dtype == q_dtype and head_dim % HEAD_DIM_MULTIPLE == 0
 
 
 def kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
     """The built kernel for these dtypes, or None where it does not apply or cannot be built."""
     if not supports(q_dtype, cache_dtype, head_dim) or not cpp_compiler.cpp_compiler_found():
         return None
-    return _build(q_dtype, cache_dtype, head_dim)
+    return _build(q_dtype, head_dim)
 
 
 def prepare(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
@@ -78,28 +71,27 @@ def prepare(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bo
 
 
 @functools.cache
-def _build(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
+def _build(dtype: torch.dtype, head_dim: int):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
-    q, c = CPP_TYPES[q_dtype], CPP_TYPES[cache_dtype]
-    macros = {"QUERY_TYPE": q, "CACHE_TYPE": c, "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
+    element = CPP_TYPES[dtype]
+    macros = {"ELEMENT_TYPE": element, "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
     source = "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
     try:
-        return CppPythonBindingsCodeCache.load_pybinding([t.format(q=q, c=c) for t in _ARG_TYPES], source)
+        return CppPythonBindingsCodeCache.load_pybinding([t.format(t=element) for t in _ARG_TYPES], source)
     except Exception as e:  # a compiler that cannot build it: the torch-only path stays
-        logger.debug("cpu_paged_decode: build failed for %s / %s: %s", q_dtype, cache_dtype, e)
+        logger.debug("cpu_paged_decode: build failed for %s, head_dim %d: %s", dtype, head_dim, e)
         return None
 
 
 def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, max_seqlen_k: int,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     max_seqlen_k: int) -> torch.Tensor:
     """One query per sequence over its paged context, by `kernel` (from `kernel_for`).
 
     q:            [num_seqs, num_heads, d]
-    k/v_cache:    [num_blocks, block_size, kv_heads, d], any strides with d contiguous
+    k/v_cache:    [num_blocks, block_size, kv_heads, d], q's dtype, any strides with d contiguous
     seq_lens_k:   [num_seqs]; block_tables: [num_seqs, max_blocks] (-1 padded)
     max_seqlen_k: the longest of seq_lens_k
-    k/v_scale:    [kv_heads] float32, for an fp8 cache
     Returns:      [num_seqs, num_heads, d] in q's dtype
     """
     num_seqs, num_heads, d = q.shape
@@ -112,11 +104,8 @@ def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_parts, part_len = partitions(num_seqs * kv_heads, max_seqlen_k, threads)
     group = num_heads // kv_heads
     partials = _scratch(num_seqs * kv_heads * num_parts * group * (d + 2) if num_parts > 1 else 0)
-    ones = _ones(kv_heads)
-    kernel(q, k_cache, v_cache, tables, lens, ones if k_scale is None else k_scale.float().contiguous(),
-           ones if v_scale is None else v_scale.float().contiguous(), out, partials, num_seqs, num_heads,
-           kv_heads, d, block_size, tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], part_len,
-           num_parts, scale, threads)
+    kernel(q, k_cache, v_cache, tables, lens, out, partials, num_seqs, num_heads, kv_heads, d, block_size,
+           tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], part_len, num_parts, scale, threads)
     return out
 
 
@@ -137,8 +126,3 @@ def _scratch(numel: int) -> torch.Tensor:
         buf = torch.empty(max(numel, 1), dtype=torch.float32)
         _local.partials = buf
     return buf
-
-
-@functools.cache
-def _ones(n: int) -> torch.Tensor:
-    return torch.ones(n, dtype=torch.float32)
