@@ -1,7 +1,11 @@
 """kernels/cpu_paged_decode.py (the C++ decode attention kernel) against kernels/torch_ref.py,
 and the engine with and without it. Skipped where no C++ compiler is found (the engine then
 keeps its torch-only path: the last test checks that path without a compiler)."""
+import functools
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,13 +148,13 @@ def test_engine_greedy_ids_equal_the_torch_only_path(monkeypatch):
     assert kernel_ids == torch_ids
 
 
-def test_without_a_compiler_the_engine_keeps_the_torch_only_path(tiny_model, monkeypatch):
-    """No C++ compiler: the engine starts, builds nothing, and its decode steps read the decode
-    mirrors (the torch-only path) instead of failing."""
+def test_without_a_compiler_the_engine_keeps_the_torch_only_path(tiny_model, tmp_path, monkeypatch):
+    """No C++ compiler and no library built before (an empty cache directory): the engine starts,
+    gets no kernel, and its decode steps read the decode mirrors (the torch-only path)."""
     from nanovllm import LLM, SamplingParams
     monkeypatch.setattr(cpp_compiler, "cpp_compiler_found", lambda: False)
-    built = []
-    monkeypatch.setattr(cpu_paged_decode, "_build", lambda *args: built.append(args))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_paged_decode, "_build", functools.cache(cpu_paged_decode._build.__wrapped__))
     appended = []
     append = cpu_decode_mirror.append
     monkeypatch.setattr(cpu_decode_mirror, "append", lambda *args: appended.append(1) or append(*args))
@@ -159,4 +163,25 @@ def test_without_a_compiler_the_engine_keeps_the_torch_only_path(tiny_model, mon
         out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
-    assert built == [] and appended  # nothing compiled; mirrors served the decode steps
+    assert cpu_paged_decode.kernel_for(torch.float32, torch.float32, HEAD_DIM) is None
+    assert appended  # mirrors served the decode steps
+
+
+@needs_compiler
+def test_a_built_kernel_loads_in_a_new_process_without_inductor(tmp_path, monkeypatch):
+    """Built once (here, into an empty cache directory), the library is kept and a new process
+    loads it directly: without importing Inductor (~3.4 s of every start-up otherwise)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    kernel = cpp_compiler.build(cpu_paged_decode.source_for(torch.float32, 16), cpu_paged_decode.arg_types(torch.float32))
+    assert kernel is not None and list(cpp_compiler.library_dir().glob("*.so"))
+    script = """
+import sys, torch
+from nanovllm.kernels import cpu_paged_decode
+from nanovllm.utils import cpp_compiler
+cpp_compiler.cpp_compiler_found = lambda: False  # (the search would import Inductor)
+kernel = cpp_compiler.build(cpu_paged_decode.source_for(torch.float32, 16), cpu_paged_decode.arg_types(torch.float32))
+print(kernel is not None, "torch._inductor" in sys.modules)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["True", "False"]

@@ -10,27 +10,24 @@ one task per (sequence, KV head), each K and V row read once for the KV head's w
 of query heads, fp32 accumulation, an exact fp32 softmax (two passes over a per-thread
 scratch), the output rounded once to the query's dtype.
 
-Build: through torch Inductor's C++ code cache (`CppPythonBindingsCodeCache`), which finds
-the compiler as torch.compile does, needs no ninja, builds with OpenMP and the CPU's vector
-ISA (at::vec), and keeps the library on disk: ~2-5 s the first time per (query dtype, cache
-dtype), well under 1 s from the cache. `prepare` builds it at engine start-up; where there is
-no C++ compiler, or the build fails, `kernel_for` returns None and the caller keeps its
-torch-only path (no error, nothing printed).
+Build: `utils/cpp_compiler.build`, through torch Inductor's C++ code cache (the compiler
+torch.compile finds, no ninja, OpenMP, the CPU's vector ISA for at::vec), one library per
+(dtype, head_dim): ~2-5 s the first time on a machine, then loaded from a kept copy without
+Inductor. `prepare` builds it at engine start-up; where there is no C++ compiler (and no library
+built before), or the build fails, `kernel_for` returns None and the caller keeps its torch-only
+path (no error, nothing printed).
 
 fp8 caches stay on the torch-only path: a first version of this kernel that dequantized e4m3
 element by element (c10's exact conversion) ran 4-13x slower than it (RESULTS.md "B2 CPU,
 round 12").
 """
 import functools
-import logging
 import threading
 from pathlib import Path
 
 import torch
 
 from nanovllm.utils import cpp_compiler
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 # The C++ element types (ELEMENT_TYPE: query, cache and output) the source is built for.
@@ -59,8 +56,9 @@ def supports(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> b
 
 
 def kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
-    """The built kernel for these dtypes, or None where it does not apply or cannot be built."""
-    if not supports(q_dtype, cache_dtype, head_dim) or not cpp_compiler.cpp_compiler_found():
+    """The built kernel for these dtypes, or None where it does not apply or cannot be built (no C++
+    compiler and no library built before)."""
+    if not supports(q_dtype, cache_dtype, head_dim):
         return None
     return _build(q_dtype, head_dim)
 
@@ -72,15 +70,18 @@ def prepare(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bo
 
 @functools.cache
 def _build(dtype: torch.dtype, head_dim: int):
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-    element = CPP_TYPES[dtype]
-    macros = {"ELEMENT_TYPE": element, "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
-    source = "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
-    try:
-        return CppPythonBindingsCodeCache.load_pybinding([t.format(t=element) for t in _ARG_TYPES], source)
-    except Exception as e:  # a compiler that cannot build it: the torch-only path stays
-        logger.debug("cpu_paged_decode: build failed for %s, head_dim %d: %s", dtype, head_dim, e)
-        return None
+    return cpp_compiler.build(source_for(dtype, head_dim), arg_types(dtype))
+
+
+def source_for(dtype: torch.dtype, head_dim: int) -> str:
+    """cpu_paged_decode.cpp with the macros it is built with."""
+    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
+    return "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
+
+
+def arg_types(dtype: torch.dtype) -> list[str]:
+    """The C++ entry point's argument types (kernel() in cpu_paged_decode.cpp)."""
+    return [t.format(t=CPP_TYPES[dtype]) for t in _ARG_TYPES]
 
 
 def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
