@@ -68,7 +68,7 @@ struct Problem {
   int64_t group() const { return num_heads / kv_heads; }
 };
 
-// Asks the CPU to bring `rows` rows of `bytes` bytes at `stride` elements apart into its caches.
+// Asks the CPU to bring `rows` rows of D elements, `stride` elements apart, into its caches.
 inline void prefetch_rows(const T* first, int64_t rows, int64_t stride) {
   constexpr int64_t kLine = 64, kBytes = D * sizeof(T);
   for (int64_t r = 0; r < rows; ++r)

@@ -8,7 +8,11 @@ capacity is read (benchmarks/RESULTS.md "B2 CPU, round 11"). This kernel
 (cpu_paged_decode.cpp) walks each sequence's block table and reads only its live rows, once:
 one task per (sequence, KV head), each K and V row read once for the KV head's whole group
 of query heads, fp32 accumulation, an exact fp32 softmax (two passes over a per-thread
-scratch), the output rounded once to the query's dtype.
+scratch), the output rounded once to the query's dtype; the GIL released while it runs. On the
+2-core AVX512-BF16 VM (RESULTS.md "B2 CPU, round 12"): 1.1-9x faster a layer than the torch-only
+path, cold (it too is limited by reading K and V, in 2 KB pieces at ~9 GB/s at 64 rows, but
+copies nothing and reads only live rows); the engine's decode steps 0.80-0.89x eager, 0.81-0.84x
+compiled, at 16-64 rows. So it runs wherever it can be built, at every row count.
 
 Build: `utils/cpp_compiler.build`, through torch Inductor's C++ code cache (the compiler
 torch.compile finds, no ninja, OpenMP, the CPU's vector ISA for at::vec), one library per
@@ -36,13 +40,14 @@ CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float
 HEAD_DIM_MULTIPLE = 16
 # A sequence's keys are split into partitions (tasks of their own, merged afterwards) only where
 # (sequence, KV head) pairs are fewer than TASKS_PER_THREAD per thread, and never into partitions
-# shorter than MIN_PARTITION_KEYS keys (benchmarks/RESULTS.md "B2 CPU, round 12").
+# shorter than MIN_PARTITION_KEYS keys: one row of ~16,000 tokens, two threads, 1,462 against 1,607
+# us a layer without partitions, within noise at ~1,000 (benchmarks/RESULTS.md "B2 CPU, round 12").
 TASKS_PER_THREAD = 4
+MIN_PARTITION_KEYS = 256
 # Blocks ahead of the one being read whose rows the kernel prefetches (a sequence's blocks lie
 # anywhere): cold, 30 layers in turn, two threads, bf16, 16 / 64 rows: 0 blocks 372 / 1,167 us a
 # layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12").
 PREFETCH_BLOCKS = 2
-MIN_PARTITION_KEYS = 256
 # the C++ entry point's arguments (kernel() in cpu_paged_decode.cpp), {t} the element type
 _ARG_TYPES = (["const {t}*"] * 3 + ["const int32_t*"] * 2 + ["{t}*", "float*"] + ["long"] * 14
               + ["float", "long"])
