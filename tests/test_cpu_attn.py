@@ -1,9 +1,19 @@
-"""kernels/cpu_attn.py (batched CPU decode attention) against kernels/torch_ref.py."""
+"""kernels/cpu_attn.py (batched CPU decode attention) against kernels/torch_ref.py, with and without\nthe C++ decode kernel."""
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_attn, step_memo, torch_ref
+from nanovllm.kernels import cpu_attn, cpu_paged_decode, step_memo, torch_ref
 from nanovllm.utils.device import cpu_has_fast_bf16
+
+
+@pytest.fixture(autouse=True, params=["paged_kernel", "torch_only"])
+def decode_path(request, monkeypatch):
+    """Every test on both decode paths: the C++ kernel (kernels/cpu_paged_decode.py: where a C++
+    compiler is found, for head sizes that are multiples of 16) and the torch-only one (the
+    gather and the decode mirrors: without a compiler)."""
+    if request.param == "torch_only":
+        monkeypatch.setattr(cpu_paged_decode, "kernel_for", lambda *args: None)
+    return request.param
 
 
 def _paged_case(seq_lens, q_lens, num_heads, num_kv_heads, head_dim=16, block_size=16, seed=0, layout="contiguous"):

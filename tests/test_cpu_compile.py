@@ -15,6 +15,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 from nanovllm.engine import cpu_compile
+from nanovllm.utils import cpp_compiler
 from tiny_models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -145,7 +146,7 @@ def test_no_cpp_compiler_keeps_the_server_eager_and_names_it(tiny_model, monkeyp
     """Without a C++ compiler (Inductor needs one) `nanovllm serve` stays eager, and an explicit
     mode 3 is a ValueError saying why, instead of Inductor failing mid-start-up."""
     path, _ = tiny_model("qwen3")
-    monkeypatch.setattr(cpu_compile, "_cpp_compiler_found", lambda: False)
+    monkeypatch.setattr(cpp_compiler, "cpp_compiler_found", lambda: False)
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) is None
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
         LLM(path, device="cpu", dtype="float32", compilation_config=3)

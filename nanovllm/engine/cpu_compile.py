@@ -22,7 +22,6 @@ graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager, ex
 (`nanovllm serve`), which runs long enough to repay it: DEFAULT_CPU_SERVER_MODE.
 """
 
-import functools
 import warnings
 
 import torch
@@ -31,6 +30,7 @@ from torch import nn
 from nanovllm.layers import opaque_ops
 from nanovllm.layers.fused_moe import SparseMoeBlock
 from nanovllm.models.decoder import run_decoder_layers
+from nanovllm.utils import cpp_compiler
 
 COMPILE_MODE = 3
 # The mode a CPU engine runs when compilation_config is not given: eager, as the compile time
@@ -81,20 +81,11 @@ def _why_not(device: torch.device, tp_size: int, has_experts: bool) -> str | Non
 def _why_no_compiler() -> str | None:
     """Why Inductor could not build compiled CPU code here (no C++ compiler), or None. Asked only
     where a compiled engine is about to start: the search imports Inductor (~1 s)."""
-    if not _cpp_compiler_found():
+    if not cpp_compiler.cpp_compiler_found():
         return "no C++ compiler found (Inductor builds the compiled CPU code with one: install g++ or set CXX)"
     return None
 
 
-@functools.cache
-def _cpp_compiler_found() -> bool:
-    """Whether Inductor's own search finds a C++ compiler to build its CPU code with."""
-    from torch._inductor import cpp_builder
-    try:
-        cpp_builder.get_cpp_compiler()
-    except Exception:  # torch's InvalidCxxCompiler, or an OSError running a candidate
-        return False
-    return True
 
 
 def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:

@@ -1,5 +1,14 @@
 """CPU paged attention: decode steps batched in one call; everything else by the reference.
 
+Where a C++ compiler is found (the one torch.compile uses), a decode step, and the decodes of
+a mixed step, run the C++ kernel of kernels/cpu_paged_decode.py, which reads each sequence's
+K/V where the paged cache holds them. On SmolLM2's shapes, two threads, caches read cold, us a
+layer (bf16 and fp32; benchmarks/RESULTS.md "B2 CPU, round 12"): 1 sequence 17-21 against
+80-155; 16 sequences 290-460 against 500-670 over the decode mirror (a batch that lasts) and
+830-1,620 gathered afresh (a server's changing batch); 64 sequences 1,700-1,800 against
+1,900-2,600 and 4,450-5,460. What follows is the torch-only path, which runs without a
+compiler (and for head sizes the kernel is not built for):
+
 `torch_ref.paged_attention` attends one sequence at a time, which is clear but
 costs one small SDPA call per sequence and layer: at 64 sequences and 30 layers,
 1,920 calls per decode step. Here a decode-only step (every sequence has one query
@@ -46,7 +55,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import cpu_decode_mirror, cpu_prefill_attn, kv_quant, torch_ref
+from nanovllm.kernels import cpu_decode_mirror, cpu_paged_decode, cpu_prefill_attn, kv_quant, torch_ref
 from nanovllm.kernels.step_memo import once_per_step
 from nanovllm.utils.device import cpu_has_fast_bf16
 
@@ -155,6 +164,12 @@ def new_kv_cache(shape: tuple[int, int, int, int], dtype: torch.dtype,
     return tuple(torch.empty(memory, dtype=dtype, device=device).permute(1, 2, 0, 3) for _ in range(2))
 
 
+def prepare_decode_kernel(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Build the C++ decode kernel now (engine start-up), not at the first decode step; whether
+    decode steps will run it (False: no C++ compiler, or dtypes / head size it is not built for)."""
+    return cpu_paged_decode.prepare(q_dtype, cache_dtype, head_dim)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens_k: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, max_seqlen_k: int | None = None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +179,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]
     """
+    kernel = cpu_paged_decode.kernel_for(q.dtype, k_cache.dtype, q.shape[2])
+    if kernel is not None:  # the C++ kernel over the paged cache as it lies (not for an fp8 cache)
+        return cpu_paged_decode.decode_attention(kernel, q, k_cache, v_cache, seq_lens_k, block_tables, scale,
+                                                 cpu_decode_mirror.longest(seq_lens_k))
     mirror = cpu_decode_mirror.lookup(k_cache, block_tables, seq_lens_k)
     if mirror is not None:
         cpu_decode_mirror.append(mirror, k_cache, v_cache, block_tables, seq_lens_k, (k_scale, v_scale))

@@ -1,6 +1,11 @@
 """Decode K/V mirrors for the CPU attention backend: each layer's gathered K/V kept from one
 decode step to the next and grown by one row per sequence, instead of gathered afresh.
 
+Used by the torch-only decode path only: where a C++ compiler is found, decode steps run the
+kernel of kernels/cpu_paged_decode.py over the paged cache itself, faster than a step over a
+mirror (benchmarks/RESULTS.md "B2 CPU, round 12"). Without a compiler a step over the mirrors
+still costs 0.4-0.8x of one that gathers (same section), so they stay.
+
 A CPU decode step reads every sequence's whole context from the paged cache; gathering it
 (`cpu_attn._gather`, one copy of the batch's live K/V per layer and step) cost about as
 much as the attention itself. Between two decode steps of the same batch the context only

@@ -1,0 +1,134 @@
+"""A C++ decode attention kernel for the CPU that reads K/V where the paged cache holds them.
+
+The torch-only decode path (cpu_attn.decode_attention without this kernel) first copies every
+sequence's K/V into `[kv_heads, num_seqs, len, d]` matrices (a gather, or the decode mirror
+that keeps last step's), then runs two batched oneDNN bf16 products around an fp32 softmax;
+the scores product repacks the transposed K and reads it at ~9 GB/s, and the whole masked
+capacity is read (benchmarks/RESULTS.md "B2 CPU, round 11"). This kernel
+(cpu_paged_decode.cpp) walks each sequence's block table and reads only its live rows, once:
+one task per (sequence, KV head), each K and V row read once for the KV head's whole group
+of query heads, fp32 accumulation, an exact fp32 softmax (two passes over a per-thread
+scratch), the output rounded once to the query's dtype; the GIL released while it runs. On the
+2-core AVX512-BF16 VM (RESULTS.md "B2 CPU, round 12"): 1.1-9x faster a layer than the torch-only
+path, cold (it too is limited by reading K and V, in 2 KB pieces at ~9 GB/s at 64 rows, but
+copies nothing and reads only live rows); the engine's decode steps 0.80-0.89x eager, 0.81-0.84x
+compiled, at 16-64 rows. So it runs wherever it can be built, at every row count.
+
+Build: `utils/cpp_compiler.build`, through torch Inductor's C++ code cache (the compiler
+torch.compile finds, no ninja, OpenMP, the CPU's vector ISA for at::vec), one library per
+(dtype, head_dim): ~2-5 s the first time on a machine, then loaded from a kept copy without
+Inductor. `prepare` builds it at engine start-up; where there is no C++ compiler (and no library
+built before), or the build fails, `kernel_for` returns None and the caller keeps its torch-only
+path (no error, nothing printed).
+
+fp8 caches stay on the torch-only path: a first version of this kernel that dequantized e4m3
+element by element (c10's exact conversion) ran 4-13x slower than it (RESULTS.md "B2 CPU,
+round 12").
+"""
+import functools
+import threading
+from pathlib import Path
+
+import torch
+
+from nanovllm.utils import cpp_compiler
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+# The C++ element types (ELEMENT_TYPE: query, cache and output) the source is built for.
+CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16", torch.float16: "at::Half"}
+# head_dim must be a whole number of vectors: 16 floats with AVX512, 8 with AVX2.
+HEAD_DIM_MULTIPLE = 16
+# A sequence's keys are split into partitions (tasks of their own, merged afterwards) only where
+# (sequence, KV head) pairs are fewer than TASKS_PER_THREAD per thread, and never into partitions
+# shorter than MIN_PARTITION_KEYS keys: one row of ~16,000 tokens, two threads, 1,462 against 1,607
+# us a layer without partitions, within noise at ~1,000 (benchmarks/RESULTS.md "B2 CPU, round 12").
+TASKS_PER_THREAD = 4
+MIN_PARTITION_KEYS = 256
+# Blocks ahead of the one being read whose rows the kernel prefetches (a sequence's blocks lie
+# anywhere): cold, 30 layers in turn, two threads, bf16, 16 / 64 rows: 0 blocks 372 / 1,167 us a
+# layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12").
+PREFETCH_BLOCKS = 2
+# the C++ entry point's arguments (kernel() in cpu_paged_decode.cpp), {t} the element type
+_ARG_TYPES = (["const {t}*"] * 3 + ["const int32_t*"] * 2 + ["{t}*", "float*"] + ["long"] * 14
+              + ["float", "long"])
+
+_local = threading.local()  # per-thread scratch for partitions (two engines in two threads)
+
+
+def supports(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernel is built for these dtypes and head size (compiler aside)."""
+    return q_dtype in CPP_TYPES and cache_dtype == q_dtype and head_dim % HEAD_DIM_MULTIPLE == 0
+
+
+def kernel_for(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int):
+    """The built kernel for these dtypes, or None where it does not apply or cannot be built (no C++
+    compiler and no library built before)."""
+    if not supports(q_dtype, cache_dtype, head_dim):
+        return None
+    return _build(q_dtype, head_dim)
+
+
+def prepare(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Build the kernel now (engine start-up) rather than at the first decode step; whether it runs."""
+    return kernel_for(q_dtype, cache_dtype, head_dim) is not None
+
+
+@functools.cache
+def _build(dtype: torch.dtype, head_dim: int):
+    return cpp_compiler.build(source_for(dtype, head_dim), arg_types(dtype))
+
+
+def source_for(dtype: torch.dtype, head_dim: int) -> str:
+    """cpu_paged_decode.cpp with the macros it is built with."""
+    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
+    return "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
+
+
+def arg_types(dtype: torch.dtype) -> list[str]:
+    """The C++ entry point's argument types (kernel() in cpu_paged_decode.cpp)."""
+    return [t.format(t=CPP_TYPES[dtype]) for t in _ARG_TYPES]
+
+
+def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     max_seqlen_k: int) -> torch.Tensor:
+    """One query per sequence over its paged context, by `kernel` (from `kernel_for`).
+
+    q:            [num_seqs, num_heads, d]
+    k/v_cache:    [num_blocks, block_size, kv_heads, d], q's dtype, any strides with d contiguous
+    seq_lens_k:   [num_seqs]; block_tables: [num_seqs, max_blocks] (-1 padded)
+    max_seqlen_k: the longest of seq_lens_k
+    Returns:      [num_seqs, num_heads, d] in q's dtype
+    """
+    num_seqs, num_heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens_k.to(torch.int32).contiguous()
+    threads = torch.get_num_threads()
+    num_parts, part_len = partitions(num_seqs * kv_heads, max_seqlen_k, threads)
+    group = num_heads // kv_heads
+    partials = _scratch(num_seqs * kv_heads * num_parts * group * (d + 2) if num_parts > 1 else 0)
+    kernel(q, k_cache, v_cache, tables, lens, out, partials, num_seqs, num_heads, kv_heads, d, block_size,
+           tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], part_len, num_parts, scale, threads)
+    return out
+
+
+def partitions(num_pairs: int, max_len: int, threads: int) -> tuple[int, int]:
+    """(partitions per sequence, keys per partition): one partition of max_len keys unless the
+    (sequence, KV head) pairs leave threads idle and the keys are many (module constants)."""
+    wanted = threads * TASKS_PER_THREAD
+    max_parts = max(1, max_len // MIN_PARTITION_KEYS)
+    num_parts = min(max_parts, -(-wanted // num_pairs)) if num_pairs < wanted else 1
+    part_len = -(-max_len // num_parts)
+    return -(-max_len // part_len), part_len
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """This thread's fp32 scratch of at least `numel` elements (grown when too small)."""
+    buf = getattr(_local, "partials", None)
+    if buf is None or buf.numel() < max(numel, 1):
+        buf = torch.empty(max(numel, 1), dtype=torch.float32)
+        _local.partials = buf
+    return buf
