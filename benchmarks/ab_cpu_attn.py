@@ -1,6 +1,8 @@
 """B2's batched run with two CPU attention backends in one process, alternating: this
 checkout's `kernels/cpu_attn.py` against another copy of it (e.g. main's), and optionally
-this checkout with its decode mirrors off (a gather every step).
+this checkout with its decode mirrors off (a gather every step: the torch-only path only;
+where a C++ compiler is found, this checkout's decodes run kernels/cpu_paged_decode.py,
+which reads the paged cache directly).
 
 Each variant is its own engine on the embedded SmolLM2 (fp32, one thread by default);
 the baseline module is its engine's attention backend (a module without `new_kv_cache`

@@ -5,8 +5,10 @@ blocks, fp32) and B2's batch (64 sequences); each sequence's context is the give
 plus a spread of +-16 tokens (B2's prompts differ in length), its blocks scattered over a
 cache of `--num-blocks`. Every layer of an engine step shares one plan (kernels/step_memo.py),
 so each call here reuses it, as layers 2-30 of a step do. A timing is `--steps` decode steps
-in a row, each context one token longer than the step before (the layer's decode mirror,
-kernels/cpu_decode_mirror.py, is built at the first and grown after), reported per step.
+in a row, each context one token longer than the step before, reported per step. Where a C++
+compiler is found this times the C++ paged decode kernel (kernels/cpu_paged_decode.py);
+without one, the torch-only path, whose decode mirror (kernels/cpu_decode_mirror.py) is
+built at the first step and grown after.
 Times are the thread's CPU time (`time.thread_time`), one thread by default.
 
 `--baseline PATH` times a second copy of kernels/cpu_attn.py (e.g. `git show
