@@ -86,8 +86,6 @@ def _why_no_compiler() -> str | None:
     return None
 
 
-
-
 def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:
     """The compilation_config a server's engine gets: the one given (or eager with enforce_eager),
     else DEFAULT_CPU_SERVER_MODE where the engine can run it (on the CPU, one rank, no experts: read
