@@ -8,6 +8,7 @@ each configuration moves and the KV capacity (tokens) each engine got.
     python benchmarks/bench_fp8.py b1-8b           # Qwen3-8B shape: bf16, then fp8 weights + fp8 KV
     python benchmarks/bench_fp8.py b1-8b --profile # each B1 then run again under torch.profiler: GPU time by kernel
     python benchmarks/bench_fp8.py b1-8b-fp8       # Qwen3-8B shape, fp8 weights + fp8 KV only
+    python benchmarks/bench_fp8.py b1-8b --prefill-split  # also B1's prefills alone (fresh prompts, 1 token)
 
 B1 runs as bench_offline.py's: dummy weights, 256 prompts (seed 0), an untimed warm-up on
 other prompts (seed 1, so the timed prompts are fresh for the prefix cache) after each
@@ -109,7 +110,18 @@ def roofline_bytes(cfg: dict, prompts, params, weight_bytes: int, kv_bytes: int)
     return steps * weights + (reads + writes) * 2 * L * kv * kv_bytes
 
 
-def run_b1(cfg: dict, name: str, bandwidth: float, profiled: bool = False, **engine) -> dict:
+def prefill_seconds(llm, prompts) -> float:
+    """Seconds to prefill prompts of B1's lengths with fresh token ids (no prefix-cache hit), one
+    output token each: the share of a B1 run that is prefill, since B1 prefills every prompt once."""
+    seed(2)
+    fresh = [[randint(10001, 20000) for _ in p] for p in prompts]
+    t0 = time.perf_counter()
+    llm.generate(fresh, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1), use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def run_b1(cfg: dict, name: str, bandwidth: float, profiled: bool = False, prefill_split: bool = False,
+           **engine) -> dict:
     prompts, params = workload(256, 1024, 1024)
     seed(1)  # fresh prompts for the warm-up: the timed ones must not hit the prefix cache
     warm_prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(WARMUP_PROMPTS)]
@@ -133,6 +145,9 @@ def run_b1(cfg: dict, name: str, bandwidth: float, profiled: bool = False, **eng
                   roofline_fraction=round(floor_s / elapsed, 3), kv_cache_dtype=str(runner.kv_cache_dtype),
                   kv_blocks=runner.num_kvcache_blocks, kv_tokens=runner.num_kvcache_blocks * runner.block_size,
                   gpu_memory_utilization=0.9, device=torch.cuda.get_device_name())
+    if prefill_split:
+        result["prefill_s"] = round(prefill_seconds(llm, prompts), 3)
+        result["decode_s"] = round(elapsed - result["prefill_s"], 3)
     print(json.dumps(result), flush=True)
     if profiled:  # the same prompts again: their prefills are prefix-cache hits, the decodes as timed
         profile(llm, prompts, params)
@@ -146,25 +161,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["gemm", "b1", "b1-fp8", "b1-8b", "b1-8b-fp8"])
     ap.add_argument("--profile", action="store_true", help="GPU time by kernel of each B1, run again")
+    ap.add_argument("--prefill-split", action="store_true",
+                    help="also time B1's prefills alone (fresh prompts of the same lengths, one token each)")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernel module constants to set first, as bench_offline.py's option")
     args = ap.parse_args()
     set_kernel_constants(json.loads(args.attn_constants))
     part, profiled = args.part, args.profile
+    split = dict(prefill_split=args.prefill_split)
     if part == "gemm":
         return gemm()
     bandwidth = copy_bandwidth()
     print(json.dumps(dict(bench="copy_bandwidth", tb_per_s=round(bandwidth / 1e12, 3))), flush=True)
     if part in ("b1", "b1-fp8"):
         if part == "b1":
-            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth, profiled)
-        run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, profiled, kv_cache_dtype="fp8")
+            run_b1(QWEN3_0_6B, "qwen3-0.6b bf16 kv", bandwidth, profiled, **split)
+        run_b1(QWEN3_0_6B, "qwen3-0.6b fp8 kv", bandwidth, profiled, kv_cache_dtype="fp8", **split)
     elif part == "b1-8b-fp8":
-        run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8", kv_cache_dtype="fp8")
+        run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8", kv_cache_dtype="fp8",
+               **split)
     elif part == "b1-8b":
-        bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth, profiled)
+        bf16 = run_b1(QWEN3_8B, "qwen3-8b bf16", bandwidth, profiled, **split)
         fp8 = run_b1(QWEN3_8B, "qwen3-8b fp8 weights + fp8 kv", bandwidth, profiled, quantization="fp8",
-                     kv_cache_dtype="fp8")
+                     kv_cache_dtype="fp8", **split)
         print(json.dumps(dict(bench="B1-8b-speedup", speedup=round(fp8["tok_per_s"] / bf16["tok_per_s"], 3))))
 
 
