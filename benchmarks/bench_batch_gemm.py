@@ -9,7 +9,8 @@ per-token quantization is the same for every variant and not timed). Then, per r
 the fastest Triton tile over the model's four products against cuBLAS ("cublas": for fp8
 with fast accumulation, the engine's; "cublas_exact_accum" without), and the table that
 takes Triton where it won by more than MIN_GAIN: for fp8 printed as the `FP8_TILES`
-constants JSON for the benchmarks' `--attn-constants`.
+constants JSON for the benchmarks' `--attn-constants`, and per product (`FP8_TILES_BY_SHAPE`,
+keyed by the weight's [N, K]).
 
     python benchmarks/bench_batch_gemm.py                       # fp8, Qwen3-8B
     python benchmarks/bench_batch_gemm.py --dtype bf16 --model 0.6b
@@ -31,7 +32,8 @@ from nanovllm.layers.quantization import fp8  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TILES = [(64, 64, 128, 4, 4), (64, 32, 128, 4, 5), (64, 128, 128, 4, 4), (128, 64, 128, 4, 4),
-         (64, 64, 256, 4, 3), (128, 128, 128, 8, 3)]
+         (64, 64, 256, 4, 3), (128, 128, 128, 8, 3), (64, 32, 256, 4, 4), (64, 16, 256, 4, 4),
+         (64, 64, 128, 4, 6), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (64, 256, 128, 8, 3)]
 MIN_GAIN = 0.03  # Triton takes a row bucket only where it is this much faster over the four products
 
 
@@ -74,6 +76,21 @@ def operand(rows: int, cols: int, dtype: str, scale: float = 1.0):
     return x if dtype == "bf16" else fp8.quantize_rows(x)
 
 
+def per_product_table(each: dict, product: str, row_counts: list[int]) -> list:
+    """One product's table in FP8_TILES' form: per row count its fastest Triton tile where that beat
+    cuBLAS by more than MIN_GAIN, else None; neighbouring entries with the same choice merged."""
+    table = []
+    for rows in row_counts:
+        times = {v: us for (r, p, v), us in each.items() if r == rows and p == product}
+        best = min((v for v in times if v.startswith("triton_")), key=times.get)
+        tile = list(map(int, best.split("_")[1:])) if times[best] < times["cublas"] * (1 - MIN_GAIN) else None
+        if table and table[-1][1] == tile:
+            table[-1][0] = rows
+        else:
+            table.append([rows, tile])
+    return table
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
@@ -90,6 +107,7 @@ def main():
         ws = [operand(n, k, args.dtype, 0.02) for _ in range(args.layers)]
         weights[name] = ws if args.dtype == "bf16" else [(w, s.reshape(1, -1).contiguous()) for w, s in ws]
     totals = {}  # (rows, variant) -> us over the four products
+    each = {}  # (rows, product, variant) -> us
     for rows in map(int, args.rows.split(",")):
         for name, n, k in shapes:
             x = operand(rows, k, args.dtype)
@@ -99,6 +117,7 @@ def main():
                 err = ((fn(x, weights[name][0]).float() - ref).norm() / ref.norm()).item()
                 us = time_chain(fn, xs, weights[name])
                 totals[(rows, vname)] = totals.get((rows, vname), 0.0) + us
+                each[(rows, name, vname)] = us
                 print(json.dumps(dict(bench="batch_gemm", dtype=args.dtype, model=args.model, rows=rows,
                                       product=name, n=n, k=k, variant=vname,
                                       us=round(us, 2), tflops=round(2 * rows * n * k / us / 1e6, 1),
@@ -114,6 +133,9 @@ def main():
         table.append([rows, tile])
     if args.dtype == "fp8":
         print("TILES_JSON=" + json.dumps({"triton_batch_gemm.FP8_TILES": table}))
+        by_shape = [[[n, k], per_product_table(each, name, list(map(int, args.rows.split(","))))]
+                    for name, n, k in shapes]
+        print("TILES_BY_SHAPE_JSON=" + json.dumps({"triton_batch_gemm.FP8_TILES_BY_SHAPE": by_shape}))
     else:
         print(json.dumps(dict(bench="batch_gemm_table", dtype="bf16", table=table)))
 

@@ -74,3 +74,25 @@ def test_tile_for_reads_its_table_by_rows_and_dtype(monkeypatch):
     assert bg.tile_for(rows(16, k=192), torch.empty(8, 192, dtype=e4m3)) is None
     assert bg.tile_for(rows(16), w16) is None and bg.tile_for(rows(16, dtype=torch.bfloat16), w8) is None
     assert bg.tile_for(torch.empty(16, 256, dtype=e4m3), w8) is None  # a CPU tensor
+
+
+def test_tile_for_prefers_the_weight_shapes_own_table(monkeypatch):
+    """A weight [N, K] listed in FP8_TILES_BY_SHAPE reads that table (its own row bounds and tiles,
+    cuBLAS where it says None), other shapes FP8_TILES; `row_bounds` covers every table, once each."""
+    from nanovllm.kernels import triton_batch_gemm as bg
+    default, own = (64, 32, 128, 4, 5), (64, 64, 256, 4, 3)
+    monkeypatch.setattr(bg, "FP8_TILES", ((16, default), (128, default)))
+    monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", (((8, 512), ((32, own), (64, None), (256, own))),))
+    e4m3 = torch.float8_e4m3fn
+
+    class OnGpu(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    x = lambda m, k: torch.empty(m, k, dtype=e4m3).as_subclass(OnGpu)  # noqa: E731
+    listed, other = torch.empty(8, 512, dtype=e4m3), torch.empty(16, 512, dtype=e4m3)
+    assert bg.tile_for(x(32, 512), listed) == own and bg.tile_for(x(32, 512), other) == default
+    assert bg.tile_for(x(33, 512), listed) is None and bg.tile_for(x(200, 512), listed) == own
+    assert bg.tile_for(x(200, 512), other) is None
+    assert bg.row_bounds() == [16, 32, 128, 256]

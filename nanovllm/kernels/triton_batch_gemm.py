@@ -24,7 +24,7 @@ the activations' quantization before it (triton_fp8.quantize_rows) and the SiLU-
 RMSNorm around it are, for one rule over the decode step's Triton kernels: at Qwen3-8B's B1 it
 measured no gain (12,312 tok/s with it, 12,368 without; RESULTS.md "Fifteenth session").
 
-Variants: one per tile of the table (a bounded set: the warm-up runs a batch at each entry's row
+Variants: one per tile of the tables (a bounded set: the warm-up runs a batch at each entry's row
 bound, `row_bounds`); the row count is a grid size and a `do_not_specialize` argument, never a
 constexpr.
 """
@@ -41,6 +41,9 @@ from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_
 # 122.2 against 91.1 / 92.5 / 96.2 / 117.0 / 110.4 (benchmarks/bench_batch_gemm.py, RESULTS.md
 # "Fifteenth session").
 FP8_TILES: tuple = ((64, (64, 32, 128, 4, 5)), (192, (64, 64, 128, 4, 4)))
+# Per weight shape, as vLLM keeps tuned configs per (N, K): ((N, K), table in FP8_TILES' form) pairs;
+# a product whose weight is [N, K] reads its own table instead of FP8_TILES.
+FP8_TILES_BY_SHAPE: tuple = ()
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -66,21 +69,28 @@ def _scaled_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, stride_xm
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+def _table(n: int, k: int):
+    """The tile table of a weight [n, k]: its own from FP8_TILES_BY_SHAPE, else FP8_TILES."""
+    return next((table for shape, table in FP8_TILES_BY_SHAPE if tuple(shape) == (n, k)), FP8_TILES)
+
+
 def row_bounds() -> list[int]:
-    """The row count of each table entry that takes a tile (the engine's warm-up runs a batch of each)."""
-    return [most for most, tile in FP8_TILES if tile is not None]
+    """The row count of each table entry that takes a tile, over every table (the engine's warm-up
+    runs a batch of each)."""
+    tables = [FP8_TILES] + [table for _, table in FP8_TILES_BY_SHAPE]
+    return sorted({most for table in tables for most, tile in table if tile is not None})
 
 
 def tile_for(x_fp8: torch.Tensor, weight: torch.Tensor) -> tuple | None:
-    """The tile this product takes (FP8_TILES), or None where cuBLAS takes it: not on a GPU,
-    not e4m3 operands, more rows than the table holds, a K that is not a multiple of the
-    tile's BLOCK_K, or operands not contiguous along K."""
+    """The tile this product takes (its weight shape's table, else FP8_TILES), or None where cuBLAS
+    takes it: not on a GPU, not e4m3 operands, more rows than the table holds, a K that is not a
+    multiple of the tile's BLOCK_K, or operands not contiguous along K."""
     rows = x_fp8.shape[0]
     e4m3 = torch.float8_e4m3fn
     if (not x_fp8.is_cuda or rows == 0 or weight.dtype != e4m3 or x_fp8.dtype != e4m3 or x_fp8.stride(-1) != 1
             or not weight.is_contiguous()):
         return None
-    tile = next((t for most, t in FP8_TILES if rows <= most), None)
+    tile = next((t for most, t in _table(*weight.shape) if rows <= most), None)
     return tile if tile is not None and x_fp8.shape[1] % tile[2] == 0 else None
 
 
