@@ -48,6 +48,19 @@ def test_scaled_fp8_linear_matches_the_rowwise_product(gen, m, tile):
     assert _rel(got, expected) < BF16_OUTPUT_REL, f"seed {gen.initial_seed()}"
 
 
+def _engine_tiles() -> list[tuple]:
+    """Every distinct tile of the engine's tables (FP8_TILES and FP8_TILES_BY_SHAPE)."""
+    from nanovllm.kernels import triton_batch_gemm as bg
+    tables = [bg.FP8_TILES] + [table for _, table in bg.FP8_TILES_BY_SHAPE]
+    return sorted({tuple(tile) for table in tables for _, tile in table if tile is not None})
+
+
+@needs_kernels
+@pytest.mark.parametrize("tile", _engine_tiles() if HAS_TRITON else [])
+def test_every_tile_the_engine_takes_matches_the_rowwise_product(gen, tile):
+    test_scaled_fp8_linear_matches_the_rowwise_product(gen, 70, tile)
+
+
 def test_tile_for_reads_its_table_by_rows_and_dtype(monkeypatch):
     """A batch takes the first entry whose row bound holds; None entries, larger batches, a K the
     tile does not divide, 16-bit operands and CPU tensors go to cuBLAS (None); `row_bounds` lists
@@ -55,6 +68,7 @@ def test_tile_for_reads_its_table_by_rows_and_dtype(monkeypatch):
     from nanovllm.kernels import triton_batch_gemm as bg
     small, large = (64, 32, 128, 4, 5), (64, 64, 128, 4, 4)
     monkeypatch.setattr(bg, "FP8_TILES", ((16, small), (64, None), (128, large)))
+    monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", ())
     w8 = torch.empty(8, 256, dtype=torch.float8_e4m3fn)
     w16 = torch.empty(8, 256, dtype=torch.bfloat16)
     e4m3 = torch.float8_e4m3fn

@@ -52,6 +52,7 @@ def test_steps_prefill_each_product_tile_bound(monkeypatch):
     bg = pytest.importorskip("nanovllm.kernels.triton_batch_gemm")
     tile = (64, 32, 128, 4, 5)
     monkeypatch.setattr(bg, "FP8_TILES", ((16, tile), (40, None), (48, tile), (CHUNK + 1, tile)))
+    monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", ())
     steps = _kinds(warmup_steps(MAX_MODEL_LEN, CHUNK, MAX_NUM_SEQS, multi_step=True))
     bounds = [step.seqs[0].scheduled for name, step in steps.items() if name.endswith("(a product tile's bound)")]
     assert bounds == [16, 48]  # no tile at 40; CHUNK + 1 tokens fit no step

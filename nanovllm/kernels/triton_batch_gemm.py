@@ -42,8 +42,19 @@ from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_
 # "Fifteenth session").
 FP8_TILES: tuple = ((64, (64, 32, 128, 4, 5)), (192, (64, 64, 128, 4, 4)))
 # Per weight shape, as vLLM keeps tuned configs per (N, K): ((N, K), table in FP8_TILES' form) pairs;
-# a product whose weight is [N, K] reads its own table instead of FP8_TILES.
-FP8_TILES_BY_SHAPE: tuple = ()
+# a product whose weight is [N, K] reads its own table instead of FP8_TILES. Qwen3-8B's four products,
+# each product's fastest tile per row count where it beat cuBLAS by 3% (benchmarks/bench_batch_gemm.py's
+# TILES_BY_SHAPE_JSON on an H200): e.g. o at 256 rows 11.6 us against 13.8, down 32.1 against 34.4; B1
+# on that shape with fp8 weights and KV 12,993 tok/s against 12,595 with FP8_TILES alone
+# (RESULTS.md "Sixteenth session").
+_T16_256, _T32_256 = (64, 16, 256, 4, 4), (64, 32, 256, 4, 4)
+_T64_6, _T64_4 = (64, 64, 128, 4, 6), (64, 64, 128, 4, 4)
+FP8_TILES_BY_SHAPE: tuple = (
+    ((6144, 4096), ((64, _T32_256), (128, _T64_6), (256, None))),                                  # q/k/v
+    ((4096, 4096), ((32, _T64_6), (64, _T16_256), (128, _T32_256), (256, _T64_6))),               # o
+    ((24576, 4096), ((64, _T64_4), (256, None))),                                                  # gate/up
+    ((4096, 12288), ((16, _T16_256), (32, _T64_6), (64, _T16_256), (128, _T32_256), (256, _T64_6))),  # down
+)
 
 
 @triton.jit(do_not_specialize=["M"])
