@@ -1,8 +1,10 @@
 """Shared fixtures: tiny models of each family, built once per pytest session; the embedded
-SmolLM2 as one LLM for the session; the sampling kernels' module for their tests. Under
-pytest-xdist (`-n 2`), how the files split over the workers (xdist_plan.py)."""
+SmolLM2 as one LLM for the session; the sampling kernels' module for their tests; a freshly
+seeded generator for the kernel tests. Under pytest-xdist (`-n 2`), how the files split over
+the workers (xdist_plan.py)."""
 import importlib.util
 import os
+import secrets
 import sys
 
 import pytest
@@ -28,6 +30,13 @@ def pytest_collection_finish(session):
     from triton_interpreter import DEFAULT_CHILD_TIMEOUT_S, register_batch
     register_batch({str(item.path): getattr(item.module, "CHILD_TIMEOUT_S", DEFAULT_CHILD_TIMEOUT_S)
                     for item in session.items if item.name.endswith("_under_triton_interpreter")})
+
+
+@pytest.fixture
+def gen():
+    """A CPU generator with a fresh random seed each test: kernel tests put its `initial_seed()`
+    in their assertion messages, so a failing draw can be replayed."""
+    return torch.Generator().manual_seed(secrets.randbits(31))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,7 +2,6 @@
 (x * x_scale) @ (w * w_scale)^T, over ragged row and feature counts (neither a multiple of
 the tile) and two tiles; and `tile_for`'s choice from its table. Natively on a GPU; without one, in the interpreter child
 (tests/triton_interpreter.py)."""
-import secrets
 
 import pytest
 import torch
@@ -22,10 +21,6 @@ BF16_OUTPUT_REL = 5e-3
 def test_batch_gemm_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(secrets.randbits(31))
 
 
 def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:

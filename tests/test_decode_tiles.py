@@ -13,7 +13,6 @@ must read and write the same values as the contiguous layout.
 
 Natively on a GPU (bf16 queries too); without one, in a child under `TRITON_INTERPRET=1`.
 """
-import secrets
 
 import pytest
 import torch
@@ -33,10 +32,6 @@ FP8 = torch.float8_e4m3fn
 def test_decode_tiles_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(secrets.randbits(31))
 
 
 # memory order of each layout (dims of [blocks, block_size, heads, dim]) and the permutation back

@@ -12,7 +12,6 @@ fp32 to fp8 wrongly where rounding carries into the exponent (e4m3: 127.6 became
 only; its conversion rounds to nearest even, as torch's does. Reading fp8 is exact in the
 interpreter, so the attention tests (over caches the reference wrote) run in both.
 """
-import secrets
 
 import pytest
 import torch
@@ -36,10 +35,6 @@ needs_gpu_store = pytest.mark.skipif(not HAS_CUDA, reason="the interpreter's fp3
 def test_fp8_kernels_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(secrets.randbits(31))
 
 
 def _scales(gen, heads: int) -> torch.Tensor:

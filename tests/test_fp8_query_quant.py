@@ -17,7 +17,6 @@ the interpreter's fp32 -> fp8 cast replaced by torch's (Triton 3.9's rounds wron
 mantissa carries into the exponent: 125.4 became 64, not 128), so that the rounding compared is
 the GPU's.
 """
-import secrets
 
 import numpy as np
 import pytest
@@ -46,10 +45,6 @@ ROUNDING_TOL, ROUNDING_MIN = 1e-2, 1e-4
 def test_fp8_query_quant_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(secrets.randbits(31))
 
 
 # option -> the emulation's q_scales: both products in fp8 (q rounded per row), or P V only

@@ -19,7 +19,6 @@ Every run draws fresh random inputs (the seed is in each failure message); outpu
 split-KV workspaces and cache slots outside every context are NaN-poisoned, so an
 unwritten element or an unmasked read shows up as NaN.
 """
-import secrets
 
 import pytest
 import torch
@@ -63,10 +62,6 @@ def poisoned_kernels(kernels, monkeypatch):
     monkeypatch.setattr(kernels, "_empty", nan_empty)
     return kernels
 
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(secrets.randbits(31))  # initial_seed() in messages
 
 
 def _randn(gen, *shape, dtype):
