@@ -7,12 +7,14 @@ Triton's bundled CUDA tools, so a kernel change can be read before device time i
 it: how the fp8 decode tile read its V tile a byte at a time (`ld.shared.b8`) was found this
 way (benchmarks/RESULTS.md, "FP8 KV at B1"). Install the device's Triton beside it (e.g.
 `pip install --target /tmp/tr triton==3.6.0`, then `PYTHONPATH=/tmp/tr`) to see its code.
-The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, block size 16).
+The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, block size 16);
+`--qpk 4` gives Qwen3-8B's groups (32 query heads on 8 KV heads).
 
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
     python benchmarks/attn_sass.py --kv fp8:vkm --tiles 64/4/3 --maxnreg 128   # key-minor V, capped registers
     python benchmarks/attn_sass.py --kv fp8,fp8:mma                # fp8 tile against fp8 tensor-core products
+    python benchmarks/attn_sass.py --kv auto,fp8 --qpk 4          # Qwen3-8B's groups of 4 query heads
 """
 import argparse
 import collections
@@ -29,18 +31,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import triton_attn as ta  # noqa: E402
 
 KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
-QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16
+QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16  # QPK: query heads per KV head (--qpk)
 ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kr", "stride_kh",
            "stride_vb", "stride_vr", "stride_vh", "stride_vd")  # strides Triton sees as multiples of 16 in the engine
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
-                   maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False):
+                   maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK):
     """The unified kernel's decode tile (fp8_mma: DECODE_FP8_QUERY_QUANT's, both products on the fp8
     tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
-    consts = dict(QPK=QPK, QPK_PAD=QPK, BLOCK_Q=ta.MIN_DOT_DIM // QPK, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
+    consts = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=ta.MIN_DOT_DIM // qpk, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
                   FP8_MMA=fp8_mma, PV_MMA=pv_mma, PDL=True)
@@ -112,6 +114,7 @@ def main() -> None:
                     help="comma list of BLOCK_N/warps/stages (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (ptxas spills past it)")
+    ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     args = ap.parse_args()
     if args.keep:
@@ -125,7 +128,7 @@ def main() -> None:
         for block_n, warps, stages in tiles:
             name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
             kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), args.maxnreg,
-                                    layout == "mma", layout == "pv")
+                                    layout == "mma", layout == "pv", args.qpk)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)
