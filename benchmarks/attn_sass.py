@@ -37,15 +37,17 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
 
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
-                   maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK):
+                   maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK,
+                   opaque_v_cast: bool = True):
     """The unified kernel's decode tile (fp8_mma: DECODE_FP8_QUERY_QUANT's, both products on the fp8
-    tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only)."""
+    tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only; opaque_v_cast: DECODE_FP8_OPAQUE_V_CAST's
+    form of an fp8 tile, else the added zero)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=ta.MIN_DOT_DIM // qpk, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
-                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, PDL=True)
+                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=fp8 and opaque_v_cast, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
@@ -113,7 +115,10 @@ def main() -> None:
     ap.add_argument("--tiles", default="",
                     help="comma list of BLOCK_N/warps/stages (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
-    ap.add_argument("--maxnreg", type=int, default=None, help="cap on registers per thread (ptxas spills past it)")
+    ap.add_argument("--maxnreg", type=int, default=None,
+                    help="cap on registers per thread (ptxas spills past it; default: the engine's for the tile)")
+    ap.add_argument("--added-zero", action="store_true",
+                    help="fp8 tiles with the added zero instead of DECODE_FP8_OPAQUE_V_CAST's identity")
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     args = ap.parse_args()
@@ -127,8 +132,9 @@ def main() -> None:
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
         for block_n, warps, stages in tiles:
             name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
-            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), args.maxnreg,
-                                    layout == "mma", layout == "pv", args.qpk)
+            maxnreg = args.maxnreg or (ta.DECODE_FP8_MAXNREG if kv != "auto" else ta.DECODE_MAXNREG)
+            kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), maxnreg,
+                                    layout == "mma", layout == "pv", args.qpk, not args.added_zero)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

@@ -47,6 +47,33 @@ def _relayout(cache: torch.Tensor, layout: str = "key_minor") -> torch.Tensor:
     return out
 
 
+def test_opaque_v_cast_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_interpreter(monkeypatch):
+    """The fp8 decode tile's inline-assembly identity (DECODE_FP8_OPAQUE_V_CAST) is chosen where PTX
+    runs and the tile casts V to 16 bits; everywhere else the added zero stands in (the kernel's
+    results are the same either way: the natively run tile tests cover the assembly)."""
+    from nanovllm.kernels import triton_attn
+
+    class OnGpu(torch.Tensor):  # is_cuda without a GPU: the choice reads metadata only
+        @property
+        def is_cuda(self):
+            return True
+
+    q16, q32 = (torch.empty(2, 4, 8, dtype=d).as_subclass(OnGpu) for d in (torch.bfloat16, torch.float32))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert triton_attn._opaque_v_cast(True, q16)
+    assert not triton_attn._opaque_v_cast(False, q16) and not triton_attn._opaque_v_cast(True, q32)
+    assert not triton_attn._opaque_v_cast(True, torch.empty(2, 4, 8, dtype=torch.bfloat16))  # a CPU tensor
+    monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", False)
+    assert not triton_attn._opaque_v_cast(True, q16)
+    monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not triton_attn._opaque_v_cast(True, q16)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.version, "hip", "6.0")
+    assert not triton_attn._opaque_v_cast(True, q16)
+
+
 def test_new_kv_cache_is_key_minor_for_fp8_only(monkeypatch):
     from nanovllm.kernels import triton_attn
     shape = (3, 16, 2, 8)

@@ -37,6 +37,12 @@ In decode tiles (mma.sync) the V tile is converted in the layout it was loaded i
 then rearranged for the product: left alone, Triton moves that rearrangement ahead of the conversion, onto the
 8-bit values, which cannot be read transposed from shared memory and were read one byte
 at a time (128 byte loads per thread and tile; the fp8 kernel ran slower than bf16's).
+On NVIDIA GPUs the converted V passes through an identity the compiler cannot see through
+(`_opaque_identity`, DECODE_FP8_OPAQUE_V_CAST), which also keeps Triton from sizing the
+products' operand fragments for 8-bit values (its `kWidth`, read from how the operands were
+loaded): with 16-bit fragments q is read from shared memory without register moves and P
+reaches the P V product without a pass through shared memory. Elsewhere (Triton's
+interpreter) a zero the compiler cannot prove is zero is added instead.
 Variants: `KV_FP8` (from the cache dtype) doubles each kernel's constexpr set, nothing
 else; e4m3 and e5m2 caches are separate compilations through the pointer dtype.
 
@@ -70,6 +76,7 @@ The cache layout is fixed when the cache is allocated, so the strides Triton spe
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -126,7 +133,15 @@ DECODE_FP8_NUM_STAGES = 3
 # Registers per thread the decode tiles may use (None: ptxas's choice); below it ptxas spills.
 # With 128-thread programs, 168 registers fit 3 programs in a multiprocessor, 128 fit 4.
 DECODE_MAXNREG = None
-DECODE_FP8_MAXNREG = None
+# 168 for the fp8 tile with DECODE_FP8_OPAQUE_V_CAST (202 uncapped: 2 programs a multiprocessor
+# instead of 3), as measured together below.
+DECODE_FP8_MAXNREG = 168
+# The fp8 decode tile's converted V behind an identity Triton cannot see through (module
+# docstring), on NVIDIA GPUs. Offline (sm_90, Qwen3-8B's groups of 4 query heads) a 128-key tile's
+# main loop went from 908 to 697 instructions a thread (no HADD2, 216 register moves -> 73); on
+# an H200, B1 on the Qwen3-8B shape with fp8 weights and KV ran at 13,376.9 tok/s with it (and
+# DECODE_FP8_MAXNREG 168) against 12,996.7 without, in one call (RESULTS.md "Sixteenth session").
+DECODE_FP8_OPAQUE_V_CAST = True
 # An fp8 cache's V laid out key-minor within each block (`new_kv_cache`): the decode tile then
 # feeds V to the tensor cores from the fp8 bytes as it does K (8-bit values along the product's
 # reduction axis are contiguous), with no fp16 copy of the tile through shared memory.
@@ -291,13 +306,20 @@ def _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
 
 
 @triton.jit
+def _opaque_identity(x):
+    """x unchanged (16-bit values, two to a register), through an op with side effects, so the
+    compiler neither moves work across it nor looks through it at how x was made."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@triton.jit
 def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
                     stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr,
-                    PV_MMA: tl.constexpr):
+                    PV_MMA: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
@@ -321,9 +343,11 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     else:
         v = v.to(q.dtype)
         if KV_FP8 and not V_KEY_MINOR and q.shape[0] < WGMMA_MIN_M:  # mma.sync tiles (decode):
-            # + a zero the compiler cannot prove is zero keeps the conversion before the tile's
-            # rearrangement for the product (module docstring); 0.0 since ctx_len >= 1
-            v = v + (ctx_len < 0).to(q.dtype)
+            # the conversion stays before the tile's rearrangement for the product (module docstring)
+            if OPAQUE_V_CAST:
+                v = _opaque_identity(v)
+            else:  # a zero the compiler cannot prove is zero (0.0 since ctx_len >= 1)
+                v = v + (ctx_len < 0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -389,7 +413,7 @@ def _unified_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
-        PV_MMA: tl.constexpr, PDL: tl.constexpr):
+        PV_MMA: tl.constexpr, OPAQUE_V_CAST: tl.constexpr, PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -456,13 +480,13 @@ def _unified_attention_kernel(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_V_CAST)
         for tile in range(masked_begin, tile_end):
             acc, m_i, l_i = _attend_kv_tile(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA)
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_V_CAST)
         if PV_MMA:
             acc = tl.trans(acc) * (1.0 / P_FP8_SCALE)             # [BLOCK_M, HEAD_DIM_PAD]
 
@@ -693,7 +717,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
-        **cfg, **launch_options(q.device))
+        OPAQUE_V_CAST=_opaque_v_cast(kv_fp8, q), **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
@@ -712,6 +736,14 @@ def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), block_tables.stride(0),
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
+
+
+def _opaque_v_cast(kv_fp8: bool, q: torch.Tensor) -> bool:
+    """Whether the fp8 decode tile's converted V goes through `_opaque_identity` (PTX inline
+    assembly): DECODE_FP8_OPAQUE_V_CAST, an fp8 cache, 16-bit queries, an NVIDIA GPU, not Triton's
+    interpreter (which runs no assembly)."""
+    return (DECODE_FP8_OPAQUE_V_CAST and kv_fp8 and q.dtype != torch.float32 and q.is_cuda
+            and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:
