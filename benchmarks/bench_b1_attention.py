@@ -63,10 +63,6 @@ VARIANTS = {
     "f8n128w8": (dict(DECODE_FP8_NUM_WARPS=8), "tokens_major"),  # 122 registers: 16 warps a multiprocessor
     # the fp8 tile before DECODE_FP8_OPAQUE_V_CAST: V kept converted by an added zero, no register cap
     "f8zero": (dict(DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None), "tokens_major"),
-    # the tensor-core tile instead of the CUDA-core kernel for an fp8 cache, in either form
-    "f8tile": (dict(DECODE_FMA_FP8=False), "tokens_major"),
-    "f8tile_zero": (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None),
-                    "tokens_major"),
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
     # V key-minor within a block (FP8_V_KEY_MINOR; fp8 only), registers capped (*_MAXNREG: 168 fits
     # 3 programs of 4 warps in a multiprocessor, 128 fits 4)
@@ -181,7 +177,10 @@ VARIANTS = {
 for _constants, *_ in VARIANTS.values():
     if any(k.startswith(("DECODE_FP8_", "FP8_")) for k in _constants):
         _constants.setdefault("DECODE_FMA_FP8", False)
-VARIANTS["f8mma"] = (dict(DECODE_FMA_FP8=False), "tokens_major", "longest_first")  # the tensor-core tile as it was
+VARIANTS["f8mma"] = (dict(DECODE_FMA_FP8=False), "tokens_major", "longest_first")  # the tensor-core tile
+# the same before DECODE_FP8_OPAQUE_V_CAST (the added zero, no register cap)
+VARIANTS["f8mma_zero"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None),
+                          "tokens_major", "longest_first")
 
 
 def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], int]:
