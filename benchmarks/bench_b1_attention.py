@@ -61,8 +61,6 @@ VARIANTS = {
     "f8n64w2s5": (dict(DECODE_FP8_BLOCK_N=64, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=5), "tokens_major"),
     "f8n32w2s8": (dict(DECODE_FP8_BLOCK_N=32, DECODE_FP8_NUM_WARPS=2, DECODE_FP8_NUM_STAGES=8), "tokens_major"),
     "f8n128w8": (dict(DECODE_FP8_NUM_WARPS=8), "tokens_major"),  # 122 registers: 16 warps a multiprocessor
-    # the fp8 tile before DECODE_FP8_OPAQUE_V_CAST: V kept converted by an added zero, no register cap
-    "f8zero": (dict(DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None), "tokens_major"),
     "n128w8": (dict(DECODE_NUM_WARPS=8), "tokens_major"),
     # V key-minor within a block (FP8_V_KEY_MINOR; fp8 only), registers capped (*_MAXNREG: 168 fits
     # 3 programs of 4 warps in a multiprocessor, 128 fits 4)
