@@ -38,16 +38,17 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
                    maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK,
-                   opaque_v_cast: bool = True):
+                   opaque_v_cast: bool = True, opaque_k_cast: bool = False):
     """The unified kernel's decode tile (fp8_mma: DECODE_FP8_QUERY_QUANT's, both products on the fp8
     tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only; opaque_v_cast: DECODE_FP8_OPAQUE_V_CAST's
-    form of an fp8 tile, else the added zero)."""
+    form of an fp8 tile, else the added zero; opaque_k_cast: DECODE_FP8_OPAQUE_K_CAST's)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
     consts = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=ta.MIN_DOT_DIM // qpk, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
-                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=fp8 and opaque_v_cast, PDL=True)
+                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=fp8 and opaque_v_cast,
+                  OPAQUE_K_CAST=fp8 and opaque_v_cast and opaque_k_cast, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
@@ -119,6 +120,7 @@ def main() -> None:
                     help="cap on registers per thread (ptxas spills past it; default: the engine's for the tile)")
     ap.add_argument("--added-zero", action="store_true",
                     help="fp8 tiles with the added zero instead of DECODE_FP8_OPAQUE_V_CAST's identity")
+    ap.add_argument("--opaque-k", action="store_true", help="fp8 tiles with K behind the identity too")
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     args = ap.parse_args()
@@ -134,7 +136,8 @@ def main() -> None:
             name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
             maxnreg = args.maxnreg or (ta.DECODE_FP8_MAXNREG if kv != "auto" else ta.DECODE_MAXNREG)
             kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), maxnreg,
-                                    layout == "mma", layout == "pv", args.qpk, not args.added_zero)
+                                    layout == "mma", layout == "pv", args.qpk, not args.added_zero,
+                                    args.opaque_k)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

@@ -179,6 +179,7 @@ VARIANTS["f8mma"] = (dict(DECODE_FMA_FP8=False), "tokens_major", "longest_first"
 # the same before DECODE_FP8_OPAQUE_V_CAST (the added zero, no register cap)
 VARIANTS["f8mma_zero"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None),
                           "tokens_major", "longest_first")
+VARIANTS["f8mma_opaque_k"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_K_CAST=True), "tokens_major", "longest_first")
 
 
 def b1_steps(every: int) -> tuple[list[tuple[int, list[list[int]], list[int]]], int]:

@@ -142,6 +142,10 @@ DECODE_FP8_MAXNREG = 168
 # an H200, B1 on the Qwen3-8B shape with fp8 weights and KV ran at 13,376.9 tok/s with it (and
 # DECODE_FP8_MAXNREG 168) against 12,996.7 without, in one call (RESULTS.md "Sixteenth session").
 DECODE_FP8_OPAQUE_V_CAST = True
+# The same for the converted K (its product's fragments then 16-bit too), where V's is on. Off, not
+# yet timed: offline 680 instructions a tile against 697, but K's fp16 copy goes through shared
+# memory (143.5 KB read and 104 KB written a tile against 106 / 71.5).
+DECODE_FP8_OPAQUE_K_CAST = False
 # An fp8 cache's V laid out key-minor within each block (`new_kv_cache`): the decode tile then
 # feeds V to the tensor cores from the fp8 bytes as it does K (8-bit values along the product's
 # reduction axis are contiguous), with no fp16 copy of the tile through shared memory.
@@ -319,7 +323,7 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr,
-                    PV_MMA: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
+                    PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
     q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
@@ -327,6 +331,8 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
     k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
+    if KV_FP8 and OPAQUE_K_CAST and q.shape[0] < WGMMA_MIN_M:
+        k = _opaque_identity(k)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(positions[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -413,7 +419,7 @@ def _unified_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
-        PV_MMA: tl.constexpr, OPAQUE_V_CAST: tl.constexpr, PDL: tl.constexpr):
+        PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr, PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
@@ -480,13 +486,13 @@ def _unified_attention_kernel(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_V_CAST)
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST)
         for tile in range(masked_begin, tile_end):
             acc, m_i, l_i = _attend_kv_tile(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_V_CAST)
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST)
         if PV_MMA:
             acc = tl.trans(acc) * (1.0 / P_FP8_SCALE)             # [BLOCK_M, HEAD_DIM_PAD]
 
@@ -717,6 +723,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
+        OPAQUE_K_CAST=_opaque_v_cast(kv_fp8, q) and DECODE_FP8_OPAQUE_K_CAST,
         OPAQUE_V_CAST=_opaque_v_cast(kv_fp8, q), **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
