@@ -47,10 +47,11 @@ def _relayout(cache: torch.Tensor, layout: str = "key_minor") -> torch.Tensor:
     return out
 
 
-def test_opaque_v_cast_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_interpreter(monkeypatch):
-    """The fp8 decode tile's inline-assembly identity (DECODE_FP8_OPAQUE_V_CAST) is chosen where PTX
-    runs and the tile casts V to 16 bits; everywhere else the added zero stands in (the kernel's
-    results are the same either way: the natively run tile tests cover the assembly)."""
+def test_opaque_casts_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_interpreter(monkeypatch):
+    """The fp8 decode tile's inline-assembly identity (DECODE_FP8_OPAQUE_V_CAST, and for K where
+    DECODE_FP8_OPAQUE_K_CAST adds it) is chosen where PTX runs and the tile casts to 16 bits;
+    everywhere else the added zero stands in (the kernel's results are the same either way: the
+    natively run tile tests cover the assembly)."""
     from nanovllm.kernels import triton_attn
 
     class OnGpu(torch.Tensor):  # is_cuda without a GPU: the choice reads metadata only
@@ -58,20 +59,26 @@ def test_opaque_v_cast_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_in
         def is_cuda(self):
             return True
 
+    def casts(kv_fp8, q):
+        got = triton_attn._opaque_casts(kv_fp8, q)
+        return got["OPAQUE_K_CAST"], got["OPAQUE_V_CAST"]
+
     q16, q32 = (torch.empty(2, 4, 8, dtype=d).as_subclass(OnGpu) for d in (torch.bfloat16, torch.float32))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert triton_attn._opaque_v_cast(True, q16)
-    assert not triton_attn._opaque_v_cast(False, q16) and not triton_attn._opaque_v_cast(True, q32)
-    assert not triton_attn._opaque_v_cast(True, torch.empty(2, 4, 8, dtype=torch.bfloat16))  # a CPU tensor
+    assert casts(True, q16) == (False, True)
+    monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_K_CAST", True)
+    assert casts(True, q16) == (True, True)
+    assert casts(False, q16) == casts(True, q32) == (False, False)
+    assert casts(True, torch.empty(2, 4, 8, dtype=torch.bfloat16)) == (False, False)  # a CPU tensor
     monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", False)
-    assert not triton_attn._opaque_v_cast(True, q16)
+    assert casts(True, q16) == (False, False)  # K's only beside V's
     monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not triton_attn._opaque_v_cast(True, q16)
+    assert casts(True, q16) == (False, False)
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.version, "hip", "6.0")
-    assert not triton_attn._opaque_v_cast(True, q16)
+    assert casts(True, q16) == (False, False)
 
 
 def test_new_kv_cache_is_key_minor_for_fp8_only(monkeypatch):

@@ -723,8 +723,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
         PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
-        OPAQUE_K_CAST=_opaque_v_cast(kv_fp8, q) and DECODE_FP8_OPAQUE_K_CAST,
-        OPAQUE_V_CAST=_opaque_v_cast(kv_fp8, q), **cfg, **launch_options(q.device))
+        **_opaque_casts(kv_fp8, q), **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
@@ -745,12 +744,14 @@ def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
 
 
-def _opaque_v_cast(kv_fp8: bool, q: torch.Tensor) -> bool:
-    """Whether the fp8 decode tile's converted V goes through `_opaque_identity` (PTX inline
-    assembly): DECODE_FP8_OPAQUE_V_CAST, an fp8 cache, 16-bit queries, an NVIDIA GPU, not Triton's
-    interpreter (which runs no assembly)."""
-    return (DECODE_FP8_OPAQUE_V_CAST and kv_fp8 and q.dtype != torch.float32 and q.is_cuda
-            and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1")
+def _opaque_casts(kv_fp8: bool, q: torch.Tensor) -> dict:
+    """Whether the fp8 decode tile's converted K and V go through `_opaque_identity` (PTX inline
+    assembly): per DECODE_FP8_OPAQUE_K_CAST / _V_CAST, where the tile casts an fp8 cache to 16 bits
+    on an NVIDIA GPU, not under Triton's interpreter (which runs no assembly)."""
+    applies = (kv_fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None
+               and os.environ.get("TRITON_INTERPRET") != "1")
+    v_cast = applies and DECODE_FP8_OPAQUE_V_CAST
+    return dict(OPAQUE_K_CAST=v_cast and DECODE_FP8_OPAQUE_K_CAST, OPAQUE_V_CAST=v_cast)
 
 
 def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:
