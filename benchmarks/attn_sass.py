@@ -13,6 +13,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py                                # bf16, e4m3, e5m2 at the engine's tiles
     python benchmarks/attn_sass.py --tiles 128/4/3,64/4/5 --kv fp8 --keep /tmp/sass
     python benchmarks/attn_sass.py --kv fp8:vkm --tiles 64/4/3 --maxnreg 128   # key-minor V, capped registers
+    python benchmarks/attn_sass.py --kv fp8 --qpk 4 --added-zero   # the fp8 tile before the opaque V cast
     python benchmarks/attn_sass.py --kv fp8,fp8:mma                # fp8 tile against fp8 tensor-core products
     python benchmarks/attn_sass.py --kv auto,fp8 --qpk 4          # Qwen3-8B's groups of 4 query heads
 """
@@ -44,11 +45,12 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
     form of an fp8 tile, else the added zero; opaque_k_cast: DECODE_FP8_OPAQUE_K_CAST's)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
+    opaque = fp8 and opaque_v_cast and not (v_key_minor or fp8_mma or pv_mma)  # as triton_attn._opaque_casts
     consts = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=ta.MIN_DOT_DIM // qpk, BLOCK_M=ta.MIN_DOT_DIM, BLOCK_N=block_n,
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
-                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=fp8 and opaque_v_cast,
-                  OPAQUE_K_CAST=fp8 and opaque_v_cast and opaque_k_cast, PDL=True)
+                  FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=opaque, OPAQUE_K_CAST=opaque and opaque_k_cast,
+                  PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
@@ -60,6 +62,14 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
+
+
+def engine_maxnreg(kv: str, layout: str, opaque_v_cast: bool) -> int | None:
+    """The register cap the engine gives this decode tile (triton_attn._tile_config's rule)."""
+    if kv == "auto":
+        return ta.DECODE_MAXNREG
+    opaque = opaque_v_cast and ta.DECODE_FP8_OPAQUE_V_CAST and not layout  # plain layout, fp16 products
+    return ta.DECODE_FP8_MAXNREG or (ta.DECODE_FP8_OPAQUE_MAXNREG if opaque else None)
 
 
 def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:
@@ -117,7 +127,7 @@ def main() -> None:
                     help="comma list of BLOCK_N/warps/stages (default: the engine's)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     ap.add_argument("--maxnreg", type=int, default=None,
-                    help="cap on registers per thread (ptxas spills past it; default: the engine's for the tile)")
+                    help="cap on registers per thread (ptxas spills past it); 0: none; default: the engine's for the tile")
     ap.add_argument("--added-zero", action="store_true",
                     help="fp8 tiles with the added zero instead of DECODE_FP8_OPAQUE_V_CAST's identity")
     ap.add_argument("--opaque-k", action="store_true", help="fp8 tiles with K behind the identity too")
@@ -134,7 +144,7 @@ def main() -> None:
         tiles = [tuple(int(x) for x in t.split("/")) for t in args.tiles.split(",") if t] or [engine]
         for block_n, warps, stages in tiles:
             name = f"decode_{kv}{'_' + layout if layout else ''}_{block_n}_{warps}_{stages}"
-            maxnreg = args.maxnreg or (ta.DECODE_FP8_MAXNREG if kv != "auto" else ta.DECODE_MAXNREG)
+            maxnreg = engine_maxnreg(kv, layout, not args.added_zero) if args.maxnreg is None else args.maxnreg or None
             kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), maxnreg,
                                     layout == "mma", layout == "pv", args.qpk, not args.added_zero,
                                     args.opaque_k)

@@ -22,7 +22,6 @@ def test_batch_gemm_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-
 def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float().cpu() - expected).norm() / expected.norm()).item()
 

@@ -33,7 +33,6 @@ def test_decode_tiles_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-
 # memory order of each layout (dims of [blocks, block_size, heads, dim]) and the permutation back
 LAYOUTS = {"plain": ((0, 1, 2, 3), (0, 1, 2, 3)), "heads_major": ((0, 2, 1, 3), (0, 2, 1, 3)),
            "key_minor": ((0, 2, 3, 1), (0, 3, 1, 2))}
@@ -74,11 +73,26 @@ def test_opaque_casts_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_int
     monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", False)
     assert casts(True, q16) == (False, False)  # K's only beside V's
     monkeypatch.setattr(triton_attn, "DECODE_FP8_OPAQUE_V_CAST", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert casts(True, q16) == (False, False)
+    for interpret in ("1", "true"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert casts(True, q16) == (False, False)
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setattr(torch.version, "hip", "6.0")
     assert casts(True, q16) == (False, False)
+
+
+def test_the_register_cap_goes_with_the_opaque_v_cast_only(monkeypatch):
+    """DECODE_FP8_OPAQUE_MAXNREG caps the fp8 decode tile only where its V takes the identity; other
+    fp8 decode tiles (the fp8 tensor-core options, key-minor V, fp32 queries) keep
+    DECODE_FP8_MAXNREG (None: ptxas's choice), which takes precedence where set."""
+    from nanovllm.kernels import triton_attn as ta
+    monkeypatch.setattr(ta, "DECODE_FP8_MAXNREG", None)
+    assert ta._tile_config(1, 4, kv_fp8=True, opaque_v_cast=True)["maxnreg"] == ta.DECODE_FP8_OPAQUE_MAXNREG
+    assert "maxnreg" not in ta._tile_config(1, 4, kv_fp8=True, opaque_v_cast=False)
+    assert "maxnreg" not in ta._tile_config(1, 4, kv_fp8=True, on_gpu=False, opaque_v_cast=True)
+    assert "maxnreg" not in ta._tile_config(8, 4, kv_fp8=True, opaque_v_cast=True)  # a prefill tile
+    monkeypatch.setattr(ta, "DECODE_FP8_MAXNREG", 128)
+    assert ta._tile_config(1, 4, kv_fp8=True, opaque_v_cast=True)["maxnreg"] == 128
 
 
 def test_new_kv_cache_is_key_minor_for_fp8_only(monkeypatch):

@@ -36,7 +36,6 @@ def test_fp8_kernels_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-
 def _scales(gen, heads: int) -> torch.Tensor:
     return random_kv_scales(gen, heads).to(DEVICE)
 

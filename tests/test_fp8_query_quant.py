@@ -46,7 +46,6 @@ def test_fp8_query_quant_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-
 # option -> the emulation's q_scales: both products in fp8 (q rounded per row), or P V only
 OPTIONS = {"DECODE_FP8_QUERY_QUANT": "row", "DECODE_FP8_PV_MMA": "none"}
 

@@ -63,7 +63,6 @@ def poisoned_kernels(kernels, monkeypatch):
     return kernels
 
 
-
 def _randn(gen, *shape, dtype):
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
 

@@ -55,7 +55,26 @@ def test_steps_prefill_each_product_tile_bound(monkeypatch):
     monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", ())
     steps = _kinds(warmup_steps(MAX_MODEL_LEN, CHUNK, MAX_NUM_SEQS, multi_step=True))
     bounds = [step.seqs[0].scheduled for name, step in steps.items() if name.endswith("(a product tile's bound)")]
-    assert bounds == [16, 48]  # no tile at 40; CHUNK + 1 tokens fit no step
+    assert bounds == [16, 48]  # no tile at 40; CHUNK + 1 tokens fit no step of CHUNK
+
+
+def test_steps_reach_a_tile_bound_beyond_one_prompt_with_several(monkeypatch):
+    """Where a step holds more tokens than one prompt can (max_num_batched_tokens above the longest
+    prompt), a bound beyond one prompt is reached by several prompts in one step, as the scheduler
+    would batch them; a bound that would need more prompts than max_num_seqs is not a step."""
+    bg = pytest.importorskip("nanovllm.kernels.triton_batch_gemm")
+    tile = (64, 32, 128, 4, 5)
+    monkeypatch.setattr(bg, "FP8_TILES", ((16, tile), (100, tile), (400, tile)))
+    monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", ())
+    max_model_len, batched, seqs = 64, 512, 4
+    steps = _kinds(warmup_steps(max_model_len, batched, seqs, multi_step=False))
+    bound_steps = {name: step for name, step in steps.items() if name.endswith("(a product tile's bound)")}
+    longest = max_model_len - 2 * MULTI_STEP_STEPS - 1  # the longest prompt a warm-up step takes
+    totals = sorted(sum(s.scheduled for s in step.seqs) for step in bound_steps.values())
+    assert totals == [16, 100]  # 400 tokens would need 7 prompts of at most 59
+    for step in bound_steps.values():
+        assert all(2 <= s.scheduled == s.total <= longest for s in step.seqs)
+    assert len(bound_steps["prefill, 100 tokens (a product tile's bound)"].seqs) > 1
 
 
 def test_tiny_limits_still_fit():
@@ -86,6 +105,23 @@ def test_warm_up_runs_every_step_and_leaves_no_trace(model_path):
     assert lines[-1].startswith(f"kernel warm-up: {len(steps)} steps")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert _outputs(llm) == expected
+
+
+def test_warm_up_runs_a_bound_step_of_several_prompts(model_path, monkeypatch):
+    """A tile bound beyond one prompt (max_model_len 64, 128 tokens a step) runs as one step of
+    several prefills on a real runner, and leaves the cache as it found it."""
+    bg = pytest.importorskip("nanovllm.kernels.triton_batch_gemm")
+    monkeypatch.setattr(bg, "FP8_TILES", ((100, (64, 32, 128, 4, 5)),))
+    monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", ())
+    limits = dict(max_model_len=64, max_num_batched_tokens=128, max_num_seqs=4)
+    llm = LLM(model_path, **{**ENGINE, **limits})
+    engine = llm.llm_engine
+    steps = _kinds(warmup_steps(**limits, multi_step=True))
+    assert len(steps["prefill, 100 tokens (a product tile's bound)"].seqs) == 2
+    lines = []
+    assert warm_up_kernels(engine.model_runner, log=lines.append) == 0
+    assert lines[-1].startswith(f"kernel warm-up: {len(steps)} steps")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_variant_counter_chains_and_restores_the_hook():

@@ -8,6 +8,8 @@ no Triton kernel variant that the process has not met before: Triton's `jit_cach
 for every variant compiled or loaded from its disk cache, and is counted from the end of
 start-up. With CUDA graphs, and eager.
 """
+import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -58,15 +60,33 @@ def _workload(llm):
                         for i in range(len(many))], use_tqdm=False)
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8-weights"])
+def _tables_by_shape(path: str) -> tuple:
+    """triton_batch_gemm.FP8_TILES_BY_SHAPE entries for the tiny model's o and down products: other
+    tiles and row bounds than FP8_TILES (one bucket on cuBLAS, one bound beyond a CUDA-graph size)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, inner = cfg["hidden_size"], cfg["num_attention_heads"] * cfg.get("head_dim", 0)
+    inner = inner or hidden
+    small, large = (64, 32, 128, 4, 5), (64, 64, 128, 4, 4)
+    o_table = ((hidden, inner), ((16, small), (64, None), (200, large)))
+    down_table = ((hidden, cfg["intermediate_size"]), ((32, large), (CHUNK, small)))
+    return (o_table,) if down_table[0] == o_table[0] else (o_table, down_table)  # one table a shape
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8-by-shape"], ids=["bf16", "fp8-weights", "fp8-by-shape"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_nothing_compiles_after_start_up(tiny_model, enforce_eager, quantization):
+def test_nothing_compiles_after_start_up(tiny_model, enforce_eager, quantization, monkeypatch):
     """fp8 weights: the tiny model's o and down products (K = 128) take triton_batch_gemm's tiles,
     whose tile changes with the batch's rows; the workload's 120-token prompts and 300-token
-    prefixes prefill batches between the CUDA-graph sizes and a whole chunk."""
-    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+    prefixes prefill batches between the CUDA-graph sizes and a whole chunk. "fp8-by-shape": the
+    same with tile tables of the model's own weight shapes (FP8_TILES_BY_SHAPE)."""
+    if quantization and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 weights need an fp8 GPU (sm_89 or later)")
     path = tiny_model("qwen3")[0]
+    if quantization == "fp8-by-shape":
+        from nanovllm.kernels import triton_batch_gemm
+        monkeypatch.setattr(triton_batch_gemm, "FP8_TILES_BY_SHAPE", _tables_by_shape(path))
+        quantization = "fp8"
     counter = VariantCounter()
     if not counter.available:
         pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")

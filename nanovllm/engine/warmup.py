@@ -14,7 +14,8 @@ including kernels added later:
 - prefill: a short prompt, a whole chunk of `max_num_batched_tokens`, a chunk that stops
   mid-prompt (no sampling), a few tokens over a long cached prefix (split-KV), and one of
   each token count at which a product kernel changes its tile (`_product_row_bounds`: the
-  batches between the CUDA-graph sizes and a whole chunk);
+  batches between the CUDA-graph sizes, up to `max_num_batched_tokens`; several prompts where
+  one prompt cannot hold that many);
 - a mixed step (a decode beside a prefill chunk);
 - decodes at every CUDA-graph batch size (or, eager, at the same sizes) and one decode at
   the longest context (split-KV);
@@ -149,8 +150,10 @@ def warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: 
         WarmupStep("prompt logprobs", (_prefill(short, params=PROMPT_LOGPROBS),)),
     ]
     for rows in _product_row_bounds():
-        if rows <= chunk:
-            steps.append(WarmupStep(f"prefill, {rows} tokens (a product tile's bound)", (_prefill(rows),)))
+        prompts = _prompts_of(rows, chunk)  # a step of more tokens than one prompt holds: several prompts
+        if rows <= max_num_batched_tokens and len(prompts) <= max_num_seqs:
+            steps.append(WarmupStep(f"prefill, {rows} tokens (a product tile's bound)",
+                                    tuple(_prefill(n) for n in prompts)))
     for size in sorted(set(capture_sizes(max_num_seqs)) | {max_num_seqs}):
         steps.append(WarmupStep(f"decode, batch {size}", tuple(_decode(short) for _ in range(size))))
     for name, params in SAMPLING_PROFILES.items():
@@ -163,6 +166,14 @@ def warmup_steps(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: 
         steps.append(WarmupStep("multi-step rounds", tuple(_decode(short) for _ in range(batch)), True))
         steps.append(WarmupStep("multi-step rounds, longest context", (_decode(longest),), True))
     return steps
+
+
+def _prompts_of(tokens: int, most: int) -> list[int]:
+    """Prompt lengths of at most `most` tokens (each at least MIN_CONTEXT) that add up to `tokens`."""
+    count = -(-tokens // most)
+    if tokens - (count - 1) * most < MIN_CONTEXT and count > 1:  # a last prompt too short: spread them
+        return [tokens // count + (i < tokens % count) for i in range(count)]
+    return [most] * (count - 1) + [tokens - (count - 1) * most]
 
 
 def _product_row_bounds() -> list[int]:

@@ -76,7 +76,6 @@ The cache layout is fixed when the cache is allocated, so the strides Triton spe
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
 import functools
-import os
 
 import torch
 import triton
@@ -133,14 +132,16 @@ DECODE_FP8_NUM_STAGES = 3
 # Registers per thread the decode tiles may use (None: ptxas's choice); below it ptxas spills.
 # With 128-thread programs, 168 registers fit 3 programs in a multiprocessor, 128 fit 4.
 DECODE_MAXNREG = None
-# 168 for the fp8 tile with DECODE_FP8_OPAQUE_V_CAST (202 uncapped: 2 programs a multiprocessor
-# instead of 3), as measured together below.
-DECODE_FP8_MAXNREG = 168
+DECODE_FP8_MAXNREG = None
+# The fp8 tile's cap where its V goes through DECODE_FP8_OPAQUE_V_CAST's identity (202 registers
+# uncapped: 2 programs a multiprocessor instead of 3), as measured together below; DECODE_FP8_MAXNREG,
+# where set, takes precedence.
+DECODE_FP8_OPAQUE_MAXNREG = 168
 # The fp8 decode tile's converted V behind an identity Triton cannot see through (module
 # docstring), on NVIDIA GPUs. Offline (sm_90, Qwen3-8B's groups of 4 query heads) a 128-key tile's
 # main loop went from 908 to 697 instructions a thread (no HADD2, 216 register moves -> 73); on
 # an H200, B1 on the Qwen3-8B shape with fp8 weights and KV ran at 13,376.9 tok/s with it (and
-# DECODE_FP8_MAXNREG 168) against 12,996.7 without, in one call (RESULTS.md "Sixteenth session").
+# DECODE_FP8_OPAQUE_MAXNREG) against 12,996.7 without, in one call (RESULTS.md "Sixteenth session").
 DECODE_FP8_OPAQUE_V_CAST = True
 # The same for the converted K (its product's fragments then 16-bit too), where V's is on. Off, not
 # yet timed: offline 680 instructions a tile against 697, but K's fp16 copy goes through shared
@@ -637,14 +638,14 @@ def _large_prefill_tile(device: torch.device, q_dtype: torch.dtype, kv_fp8: bool
 
 
 def _tile_config(max_seqlen_q: int, qpk_pad: int, kv_fp8: bool = False, on_gpu: bool = True,
-                 large_prefill: bool = False) -> dict:
+                 large_prefill: bool = False, opaque_v_cast: bool = False) -> dict:
     """Tile shape and launch settings: decode tiles when no sequence has > 1 query."""
     if max_seqlen_q == 1:
         block_m = max(MIN_DOT_DIM, qpk_pad)
         if kv_fp8:
             cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_FP8_BLOCK_N,
                        num_warps=DECODE_FP8_NUM_WARPS, num_stages=DECODE_FP8_NUM_STAGES)
-            maxnreg = DECODE_FP8_MAXNREG
+            maxnreg = DECODE_FP8_MAXNREG or (DECODE_FP8_OPAQUE_MAXNREG if opaque_v_cast else None)
         else:
             cfg = dict(BLOCK_Q=block_m // qpk_pad, BLOCK_M=block_m, BLOCK_N=DECODE_BLOCK_N,
                        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
@@ -705,8 +706,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
+    fp8_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT)
+    pv_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT)
+    opaque = _opaque_casts(kv_fp8 and not (v_key_minor or fp8_mma or pv_mma), q)
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
-                       _large_prefill_tile(q.device, q.dtype, kv_fp8))
+                       _large_prefill_tile(q.device, q.dtype, kv_fp8), opaque["OPAQUE_V_CAST"])
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
@@ -721,9 +725,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
-        FP8_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT),
-        PV_MMA=_fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT),
-        **_opaque_casts(kv_fp8, q), **cfg, **launch_options(q.device))
+        FP8_MMA=fp8_mma, PV_MMA=pv_mma, **opaque, **cfg, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
@@ -744,12 +746,13 @@ def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tens
             part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits)
 
 
-def _opaque_casts(kv_fp8: bool, q: torch.Tensor) -> dict:
+def _opaque_casts(casts_fp8: bool, q: torch.Tensor) -> dict:
     """Whether the fp8 decode tile's converted K and V go through `_opaque_identity` (PTX inline
     assembly): per DECODE_FP8_OPAQUE_K_CAST / _V_CAST, where the tile casts an fp8 cache to 16 bits
-    on an NVIDIA GPU, not under Triton's interpreter (which runs no assembly)."""
-    applies = (kv_fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None
-               and os.environ.get("TRITON_INTERPRET") != "1")
+    (`casts_fp8`: an fp8 cache whose tiles are converted, not fed to the fp8 tensor cores) on an
+    NVIDIA GPU, not under Triton's interpreter (which runs no assembly)."""
+    applies = (casts_fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None
+               and not triton.knobs.runtime.interpret)
     v_cast = applies and DECODE_FP8_OPAQUE_V_CAST
     return dict(OPAQUE_K_CAST=v_cast and DECODE_FP8_OPAQUE_K_CAST, OPAQUE_V_CAST=v_cast)
 

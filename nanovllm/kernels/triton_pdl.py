@@ -24,7 +24,6 @@ part of Triton's compile key: `ENABLED` must be set before an engine starts, or 
 again.)
 """
 import functools
-import os
 
 import torch
 import triton
@@ -37,7 +36,7 @@ MIN_CAPABILITY = (9, 0)    # griddepcontrol: sm_90 (Hopper) and later
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: an NVIDIA GPU of MIN_CAPABILITY or later, not
     under Triton's interpreter (which runs no PTX)."""
-    if not ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not ENABLED or device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
