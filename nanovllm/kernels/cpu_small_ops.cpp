@@ -204,7 +204,7 @@ extern "C" void kernel(const T* x, T* out, int64_t n, int64_t d, int64_t threads
     for (; c + P <= d; c += P) {
       Vec a, b, ua, ub;
       load2(gate + c, a, b);
-      a = a / (one + a.neg().exp_u20()), b = b / (one + b.neg().exp_u20());
+      a = a / (one + a.neg().exp()), b = b / (one + b.neg().exp());
       round2(a, b);
       load2(up + c, ua, ub);
       store2(o + c, a * ua, b * ub);
