@@ -4,20 +4,21 @@ Runs `--rows` of B2's chat prompts (benchmarks/bench_cpu.py) through `LLM(device
 `--tokens` greedy tokens (`ignore_eos`) and times every `ModelRunner.run`. Then the same
 generation again with every module of a known kind wrapped in a wall-clock timer (what
 `torch.profiler` reported here at 64 rows on two threads covered a fraction of the step's
-time, so it is not used), and reports, per decode step of `--rows` rows (median step; kinds
-as means over those steps):
+time, so it is not used), and reports, per decode step of `--rows` rows, medians over those
+steps (robust to the bursts of a shared machine):
 
 - qkv / o / gate_up / down: the linear layers' products (by the layer's attribute name);
 - lm_head, embed, sampler;
 - attention: the K/V store and the decode attention (the C++ kernel where it runs);
 - norm / rope / act: RMSNorm (with its residual add), RoPE, SiLU-and-mul;
-- rest of run: `ModelRunner.run` minus the kinds (the step's inputs, the layers' Python,
-  views and residual adds outside the modules, sampling metadata);
+- rest of run: the median `ModelRunner.run` minus the kinds' medians (the step's inputs, the
+  layers' Python, views and residual adds outside the modules, sampling metadata);
 - outside run: `generate`'s time per step outside `ModelRunner.run` (scheduler, block
   manager, output processing, detokenizer).
 
     python benchmarks/profile_cpu_step.py --rows 64 --threads 2
     python benchmarks/profile_cpu_step.py --rows 1 --compilation-config 3
+    python benchmarks/profile_cpu_step.py --torch-small-ops   # without kernels/cpu_small_ops.py
 
 Prints a table and a final JSON line (ms per decode step).
 """
@@ -94,7 +95,7 @@ def generate_timed(llm, prompts, params, rows: int, times: dict | None) -> dict:
     return {"total_s": total, "run_s": sum(t for _, t in steps), "steps": len(steps),
             "first_step_s": steps[0][1], "decode_ms": 1e3 * statistics.median(decode),
             "decode_mean_ms": 1e3 * statistics.mean(decode),
-            "kinds_ms": {k: 1e3 * statistics.mean(v) for k, v in kinds.items()}}
+            "kinds_ms": {k: 1e3 * statistics.median(v) for k, v in kinds.items()}}
 
 
 def main(argv=None) -> None:
@@ -105,7 +106,13 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compilation-config", type=int, default=0, choices=[0, 3])
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--torch-small-ops", action="store_true",
+                        help="RMSNorm, RoPE + K/V store and SiLU-and-mul by the torch code, not the C++")
     args = parser.parse_args(argv)
+    if args.torch_small_ops:
+        from nanovllm.kernels import cpu_small_ops
+        cpu_small_ops._runs_here = lambda x: False
+        cpu_small_ops.rope_store_built = lambda dtype, head_dim: False
     torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
     prompts = chat_prompts(gguf_tokenizer(path), args.rows)
@@ -122,18 +129,19 @@ def main(argv=None) -> None:
         module.forward = forward
 
     kinds = dict(sorted(timed["kinds_ms"].items(), key=lambda kv: -kv[1]))
-    kinds["rest of run"] = timed["decode_mean_ms"] - sum(kinds.values())
+    kinds["rest of run"] = timed["decode_ms"] - sum(kinds.values())
     outside = 1e3 * (plain["total_s"] - plain["run_s"]) / plain["steps"]
     print(f"cpu: {cpu_flags()}; threads {args.threads}; rows {args.rows}; tokens {args.tokens}; "
-          f"compilation {args.compilation_config}; dtype {runner.model_config.dtype if hasattr(runner, 'model_config') else args.dtype}")
+          f"compilation {args.compilation_config}; dtype {runner.dtype}; small ops: "
+          f"{'torch' if args.torch_small_ops else 'C++ where built'}")
     print(f"generate {plain['total_s']:.2f} s ({args.rows * args.tokens / plain['total_s']:.1f} tok/s), "
           f"first step {plain['first_step_s']:.2f} s, decode step median {plain['decode_ms']:.1f} ms, "
           f"outside ModelRunner.run {outside:.1f} ms a step")
     print(f"timed run: decode step median {timed['decode_ms']:.1f} ms, mean {timed['decode_mean_ms']:.1f} ms:")
     for kind, ms in kinds.items():
-        print(f"  {kind:12s} {ms:8.2f} ms  {100 * ms / timed['decode_mean_ms']:5.1f}%")
+        print(f"  {kind:12s} {ms:8.2f} ms  {100 * ms / timed['decode_ms']:5.1f}%")
     print(json.dumps({"rows": args.rows, "threads": args.threads, "tokens": args.tokens,
-                      "compilation": args.compilation_config, "tok_s": args.rows * args.tokens / plain["total_s"],
+                      "compilation": args.compilation_config, "torch_small_ops": args.torch_small_ops, "tok_s": args.rows * args.tokens / plain["total_s"],
                       "first_step_s": plain["first_step_s"], "decode_step_ms": plain["decode_ms"],
                       "outside_run_ms": outside, "timed_kinds_ms": {k: round(v, 3) for k, v in kinds.items()}}))
 
