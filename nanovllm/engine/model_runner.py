@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.kernels import cpu_small_ops
 from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_compilation_mode
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
@@ -102,14 +103,15 @@ class ModelRunner:
 
     def _compile_kernels(self) -> None:
         """Kernel variants that the warm-up and graph capture may not reach (the MoE layers'
-        tile configs, chosen by token count; the CPU's C++ decode attention) are compiled now,
-        not during serving."""
+        tile configs, chosen by token count; the CPU's C++ decode attention and small ops) are
+        compiled now, not during serving."""
         if self.device.type == "cpu":  # the C++ decode attention kernel (kernels/cpu_paged_decode.py)
             prepare = getattr(Attention.backend, "prepare_decode_kernel", None)
-            if prepare is not None:
-                layers = self._attention_layers()
-                if layers:
-                    prepare(self.dtype, self.kv_cache_dtype, layers[0].head_dim)
+            layers = self._attention_layers()
+            if prepare is not None and layers:
+                prepare(self.dtype, self.kv_cache_dtype, layers[0].head_dim)
+            if layers:  # RMSNorm, RoPE + K/V store, SiLU-and-mul (kernels/cpu_small_ops.py)
+                cpu_small_ops.prepare(self.dtype, layers[0].head_dim)
         if self.device.type == "cuda":
             moe = next((m for m in self.model.modules() if hasattr(m, "compile_kernels")), None)
             if moe is not None:  # every MoE layer of a model has the same shapes

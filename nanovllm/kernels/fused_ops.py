@@ -1,16 +1,18 @@
 """Small fused ops the layers call: RMSNorm (+ residual), q/k norm + RoPE (+ storing K/V),
 SiLU-and-mul.
 
-On CUDA tensors they run the Triton kernels of `triton_ops.py`; elsewhere the plain
-torch versions below, which follow HF transformers' arithmetic (float32 inside,
-rounded back to the input dtype).
+On CUDA tensors they run the Triton kernels of `triton_ops.py`; on the CPU, outside
+torch.compile, the C++ of `cpu_small_ops.py` where it is built (the same arithmetic; the
+RMSNorm there for 16-bit dtypes only: fp32 keeps torch's fused `F.rms_norm`, whose
+values the reference tests hold exactly); elsewhere the plain torch versions below, which
+follow HF transformers' arithmetic (float32 inside, rounded back to the input dtype).
 """
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import get_attention_backend
+from nanovllm.kernels import cpu_small_ops, get_attention_backend
 from nanovllm.kernels.step_memo import once_per_step
 
 
@@ -29,6 +31,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.is_cuda and x.dim() == 2:
         from nanovllm.kernels import triton_ops
         return triton_ops.rms_norm(x, weight, eps, residual)
+    if x.dtype != torch.float32:
+        out = cpu_small_ops.rms_norm(x, weight, eps, residual)  # None: not on the CPU, or not built
+        if out is not None:
+            return out
     if residual is not None:
         x = x + residual
         return _rms_norm_torch(x, weight, eps), x
@@ -56,6 +62,11 @@ def norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin
     if q.is_cuda and head_dim & (head_dim - 1) == 0:
         from nanovllm.kernels import triton_ops
         triton_ops.qk_norm_rope_(q, k, positions, cos_sin_cache, q_weight, k_weight, eps, kv_store)
+        return q, k
+    if (kv_store is not None and q_weight is None
+            and cpu_small_ops.rope_store_applies(q, k, kv_store.value, kv_store.k_cache)):
+        cpu_small_ops.rope_store(q, k, kv_store.value, positions, cos_sin_cache, kv_store.k_cache,
+                                 kv_store.v_cache, kv_store.slot_mapping)  # in place, then stored
         return q, k
     if q_weight is not None:
         q, k = _rms_norm_torch(q, q_weight, eps), _rms_norm_torch(k, k_weight, eps)
@@ -89,5 +100,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         from nanovllm.kernels import triton_ops
         return triton_ops.silu_and_mul(x)
+    out = cpu_small_ops.silu_and_mul(x)
+    if out is not None:
+        return out
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up

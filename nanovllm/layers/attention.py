@@ -8,6 +8,7 @@ An fp8 cache also gets its fixed scales `k_scale` / `v_scale` (`engine/kv_scales
 import torch
 from torch import nn
 
+from nanovllm.kernels import cpu_small_ops
 from nanovllm.kernels.fused_ops import KVStore
 from nanovllm.layers import opaque_ops
 from nanovllm.utils.context import get_context
@@ -27,10 +28,14 @@ class Attention(nn.Module):
 
     def kv_store(self, v: torch.Tensor) -> KVStore | None:
         """Where RoPE should write this step's K/V (`v`: [num_tokens, kv_heads, d]): on the GPU,
-        this layer's cache; None elsewhere (`forward` stores them)."""
-        if not v.is_cuda:
-            return None
+        this layer's cache; on the CPU too, outside torch.compile, where the cache has v's dtype
+        (not fp8) and the C++ RoPE + store is built (kernels/cpu_small_ops.py); None elsewhere
+        (`forward` stores them)."""
         if self.kv_amax is not None:  # calibrating: forward sees k and v before they are stored
+            return None
+        if not v.is_cuda and not (v.device.type == "cpu" and self.k_cache.dtype == v.dtype
+                                  and self.k_cache.dim() == 4 and not torch.compiler.is_compiling()
+                                  and cpu_small_ops.rope_store_built(v.dtype, self.head_dim)):
             return None
         return KVStore(v, self.k_cache, self.v_cache, get_context().slot_mapping, self.k_scale, self.v_scale)
 
