@@ -68,11 +68,12 @@ def _qkv(rows: int, dtype: torch.dtype, seed: int):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["heads_major", "interleaved"])
-def test_rope_store_equals_rotation_then_store(dtype, layout):
+@pytest.mark.parametrize("rows", [1, 70])
+def test_rope_store_equals_rotation_then_store(dtype, layout, rows):
     """q and k rotated in place and k, v written at their slots: the same bits as fused_ops' rotation
     followed by torch_ref's store, on the engine's cache layout and the interleaved one; slot -1 is
-    not written."""
-    rows, num_blocks = 70, 12
+    not written. One row (a one-sequence decode step) too, whose views report unequal row strides."""
+    num_blocks = 12
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     caches = []
     for _ in range(2):
@@ -86,8 +87,10 @@ def test_rope_store_equals_rotation_then_store(dtype, layout):
     positions = torch.randint(0, 4000, (rows,), generator=gen)
     cos_sin = torch.randn(4096, HEAD_DIM, generator=gen)
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:rows]
-    slots[[0, 33]] = -1
+    slots[1::33] = -1
     qkv, q, k, v = _qkv(rows, dtype, seed=4)
+    if rows == 1:  # a size-1 dimension's stride: the views share one row but say otherwise
+        assert q.stride(0) != k.stride(0)
     _, q_ref, k_ref, v_ref = (t.clone() for t in _qkv(rows, dtype, seed=4))
     assert cpu_small_ops.rope_store_applies(q, k, v, caches[0][0])
     cpu_small_ops.rope_store(q, k, v, positions, cos_sin, *caches[0], slots)

@@ -127,7 +127,10 @@ def rope_store_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         return False
     heads, kv_heads = q.shape[1], k.shape[1]
     row = q.stride(0)
-    if (k.stride(0) != row or v.stride(0) != row or k.stride(1) != d or v.stride(1) != d
+    # one token: its row stride is never used, and views of a one-row qkv may report any stride
+    # there (a size-1 dimension's): q's is then 576 and k's 192 for SmolLM2 though they share a row
+    rows_match = q.shape[0] == 1 or (k.stride(0) == row and v.stride(0) == row)
+    if (not rows_match or k.stride(1) != d or v.stride(1) != d
             or k.data_ptr() != q.data_ptr() + heads * d * q.element_size()
             or v.data_ptr() != k.data_ptr() + kv_heads * d * q.element_size()):
         return False
