@@ -65,11 +65,9 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
 
 
 def engine_maxnreg(kv: str, layout: str, opaque_v_cast: bool) -> int | None:
-    """The register cap the engine gives this decode tile (triton_attn._tile_config's rule)."""
-    if kv == "auto":
-        return ta.DECODE_MAXNREG
-    opaque = opaque_v_cast and ta.DECODE_FP8_OPAQUE_V_CAST and not layout  # plain layout, fp16 products
-    return ta.DECODE_FP8_MAXNREG or (ta.DECODE_FP8_OPAQUE_MAXNREG if opaque else None)
+    """The register cap the engine gives this decode tile (triton_attn._tile_config's)."""
+    opaque = kv != "auto" and opaque_v_cast and ta.DECODE_FP8_OPAQUE_V_CAST and not layout  # plain layout
+    return ta._tile_config(1, QPK, kv != "auto", on_gpu=True, opaque_v_cast=opaque).get("maxnreg")
 
 
 def sass_of(kernel, keep: str | None, name: str) -> tuple[str, str]:

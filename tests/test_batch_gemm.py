@@ -6,7 +6,7 @@ the tile) and two tiles; and `tile_for`'s choice from its table. Natively on a G
 import pytest
 import torch
 
-from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, OnGpu, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -67,11 +67,6 @@ def test_tile_for_reads_its_table_by_rows_and_dtype(monkeypatch):
     w16 = torch.empty(8, 256, dtype=torch.bfloat16)
     e4m3 = torch.float8_e4m3fn
 
-    class OnGpu(torch.Tensor):  # is_cuda without a GPU: the table lookup only reads metadata
-        @property
-        def is_cuda(self):
-            return True
-
     def rows(m, k=256, dtype=e4m3):
         return torch.empty(m, k, dtype=dtype).as_subclass(OnGpu)
     assert bg.tile_for(rows(1), w8) == small and bg.tile_for(rows(16), w8) == small
@@ -92,12 +87,6 @@ def test_tile_for_prefers_the_weight_shapes_own_table(monkeypatch):
     monkeypatch.setattr(bg, "FP8_TILES", ((16, default), (128, default)))
     monkeypatch.setattr(bg, "FP8_TILES_BY_SHAPE", (((8, 512), ((32, own), (64, None), (256, own))),))
     e4m3 = torch.float8_e4m3fn
-
-    class OnGpu(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
     x = lambda m, k: torch.empty(m, k, dtype=e4m3).as_subclass(OnGpu)  # noqa: E731
     listed, other = torch.empty(8, 512, dtype=e4m3), torch.empty(16, 512, dtype=e4m3)
     assert bg.tile_for(x(32, 512), listed) == own and bg.tile_for(x(32, 512), other) == default

@@ -19,7 +19,7 @@ import torch
 
 from nanovllm.kernels import fused_ops, kv_quant
 from paged_batches import assert_attention_close, random_kv_scales, random_paged_batch, reference_attention
-from triton_interpreter import HAS_TRITON, RUN_HERE, needs_kernels, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, OnGpu, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -52,11 +52,6 @@ def test_opaque_casts_only_for_16_bit_queries_over_fp8_on_nvidia_outside_the_int
     everywhere else the added zero stands in (the kernel's results are the same either way: the
     natively run tile tests cover the assembly)."""
     from nanovllm.kernels import triton_attn
-
-    class OnGpu(torch.Tensor):  # is_cuda without a GPU: the choice reads metadata only
-        @property
-        def is_cuda(self):
-            return True
 
     def casts(kv_fp8, q):
         got = triton_attn._opaque_casts(kv_fp8, q)

@@ -31,6 +31,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 RUN_HERE = HAS_TRITON and (torch.cuda.is_available() or INTERPRETED)
 # for a kernel test: skipped where it runs in the interpreter child instead
 needs_kernels = pytest.mark.skipif(not RUN_HERE, reason="runs natively on GPU or in the interpreter child")
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor that says `is_cuda` (`t.as_subclass(OnGpu)`): for the host-side choices a kernel
+    module makes from a tensor's metadata (which tile, which form), tested without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
 SHOWN_STDOUT_CHARS, SHOWN_STDERR_CHARS = 8000, 2000  # of a failed child's report
 DEFAULT_CHILD_TIMEOUT_S = 600  # for a registered file that sets no CHILD_TIMEOUT_S of its own
 _batch: dict[str, float] = {}           # path -> child timeout, registered by conftest

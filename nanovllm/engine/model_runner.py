@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.kernels import cpu_small_ops
 from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_compilation_mode
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
@@ -21,7 +20,7 @@ from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadat
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
 from nanovllm.engine.warmup import compile_progress, warm_up_kernels
-from nanovllm.kernels import get_attention_backend, kv_quant
+from nanovllm.kernels import cpu_small_ops, get_attention_backend, kv_quant
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.quantization import building_with, get_quantization_config, process_weights_after_loading
