@@ -19,7 +19,7 @@ permuted view) or the order of the batch (`lpt*`: longest contexts first).
 per-head scales; its bytes count 1 per element), and `--kernels NAME=FILE,...` times other
 copies of kernels/triton_attn.py beside the engine's (an A/B of a kernel change in one run).
 
-    python benchmarks/bench_b1_attention.py [--every 32] [--variants base,n64s4,...]
+    python benchmarks/bench_b1_attention.py [--every 32] [--variants base,n64s4,...] [--shape 8b]
     python benchmarks/bench_b1_attention.py --kv-cache-dtype auto,fp8 --kernels old=/tmp/triton_attn_old.py
 """
 import argparse
@@ -38,7 +38,9 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import kv_quant
 from nanovllm.kernels import triton_attn as engine_kernels
 
-NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 28, 16, 8, 128  # Qwen3-0.6B
+# (layers, query heads, KV heads, head size) of the model whose attention B1 runs (`--shape`)
+SHAPES = {"0.6b": (28, 16, 8, 128), "8b": (36, 32, 8, 128)}  # Qwen3-0.6B, Qwen3-8B
+NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = SHAPES["0.6b"]
 BLOCK_SIZE, MAX_MODEL_LEN, ROUND_STEPS = 16, 4096, DEFAULT_GPU_SCHEDULER_STEPS
 REP_MS = 40
 
@@ -179,6 +181,9 @@ VARIANTS["f8mma"] = (dict(DECODE_FMA_FP8=False), "tokens_major", "longest_first"
 # the same before DECODE_FP8_OPAQUE_V_CAST (the added zero, no register cap)
 VARIANTS["f8mma_zero"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_V_CAST=False, DECODE_FP8_MAXNREG=None),
                           "tokens_major", "longest_first")
+# the tile's fp8 tensor-core options: q rounded to e4m3 for both products, or only P V in fp8
+VARIANTS["f8qq"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_QUERY_QUANT=True), "tokens_major", "longest_first")
+VARIANTS["f8pv"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_PV_MMA=True), "tokens_major", "longest_first")
 VARIANTS["f8mma_opaque_k"] = (dict(DECODE_FMA_FP8=False, DECODE_FP8_OPAQUE_K_CAST=True), "tokens_major", "longest_first")
 
 
@@ -311,6 +316,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--every", type=int, default=32, help="sample every N-th decode step")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--shape", choices=SHAPES, default="0.6b", help="the model's attention shape (Qwen3 size)")
+    ap.add_argument("--extra-variants", metavar="JSON", default="{}",
+                    help='more variants: {"name": {triton_attn constant: value, ...}, ...} (the engine\'s '
+                         'layout, longest contexts first); name them in --variants')
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per layer (default: what 85%% of free GPU memory holds, as B1's engine)")
     ap.add_argument("--kv-cache-dtype", default="auto",
@@ -323,6 +332,10 @@ def main():
     args = ap.parse_args()
     if args.best:
         return print_best(args.best, args.kv_cache_dtype)
+    for name, constants in json.loads(args.extra_variants).items():
+        VARIANTS[name] = (constants, "tokens_major", "longest_first")
+    global NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
+    NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = SHAPES[args.shape]
     t0 = time.perf_counter()
     samples, top = b1_steps(args.every)
     bandwidth = copy_bandwidth()
