@@ -40,13 +40,10 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
-    launch_dependents(PDL)
-    wait_for_prior_grid(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def residual_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, hidden, eps,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: [res_out =] x (+ res), stored; returns w * (res_out / rms(res_out)) in x's dtype
+    (lanes past `hidden` zero).  # [BLOCK]"""
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -55,8 +52,21 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     row_inv_rms = inv_rms(x.to(tl.float32), hidden, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = rms_scaled(x, row_inv_rms, w)
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    return rms_scaled(x, row_inv_rms, w)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    y = residual_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, hidden, eps,
+                              HAS_RESIDUAL, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=cols < hidden)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -214,15 +224,22 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 
 
 @triton.jit
+def silu_and_mul_cols(x_ptr, row, stride_x, d, cols, mask):
+    """silu(gate) * up at columns `cols` of one row of x [num_tokens, 2 * d] (gate | up), in x's
+    dtype; masked lanes zero."""
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    return silu_mul(gate, up)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    y = silu_mul(gate, up)
+    y = silu_and_mul_cols(x_ptr, row, stride_x, d, cols, mask)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
