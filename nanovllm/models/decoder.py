@@ -83,8 +83,9 @@ class DecoderLayer(nn.Module):
 
     def quantized_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
         """(layer, linear) pairs where the linear layer is the only reader of the layer's output, which
-        it may then take quantized (layers/quantization/__init__.py): the norms before q/k/v and a dense
-        MLP's gate/up, and the SiLU-and-mul before down (not o: the attention writes its input)."""
+        it may then take quantized (layers/quantization/__init__.py): the norms before q/k/v and (in a
+        layer without experts) gate/up, and the SiLU-and-mul before down; not o, whose input the
+        attention writes."""
         pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
         if isinstance(self.mlp, DecoderMLP):
             pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj), (self.mlp.act_fn, self.mlp.down_proj)]

@@ -32,8 +32,9 @@ benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dt
 Activations arriving quantized: on the GPU the RMSNorm before q/k/v and gate/up and the
 SiLU-and-mul before down write their output as per-token fp8 themselves, in the kernel that
 computes it (kernels/triton_fused_quant.py), when told at load that the product after them is a
-rowwise one here (`takes_quantized_input`; the model names those pairs, `quantized_input_pairs`
-in layers/quantization/__init__.py); `apply` then takes that `QuantizedActivation` as it is. The
+rowwise one here (`takes_quantized_input`; the model names the pairs, DecoderLayer's
+`quantized_input_pairs`, and layers/quantization/__init__.py tells them); `apply` then takes
+that `QuantizedActivation` as it is. The
 values and scales are those of the op's output quantized by `quantize_rows`, bit for bit, so the
 products are unchanged; one launch and one read of each row fewer (FUSED_ACTIVATION_QUANT).
 """
@@ -58,8 +59,9 @@ UNQUANTIZED_OK = ("lm_head", "re:.*lm_head")  # names a checkpoint may leave den
 # the fp8 rounding of x and w), on an H200 (benchmarks/RESULTS.md "Fifteenth session").
 FAST_ACCUM = True
 # The RMSNorm / SiLU-and-mul before a rowwise product on the GPU write its per-token fp8 input
-# (module docstring); False: the product quantizes its input itself. Read at load: set it before
-# an engine starts (benchmarks' A/B: --attn-constants '{"nanovllm.layers.quantization.fp8.FUSED_ACTIVATION_QUANT": false}').
+# (module docstring); False: the product quantizes its input itself. Read at load, so set before an
+# engine starts (the benchmarks' A/B: --attn-constants with the key
+# "nanovllm.layers.quantization.fp8.FUSED_ACTIVATION_QUANT").
 FUSED_ACTIVATION_QUANT = True
 
 
