@@ -8,13 +8,14 @@ after them (kernels/triton_fused_quant.py, layers/quantization/fp8.py's Quantize
   reference. Without a GPU in the interpreter child (tests/triton_interpreter.py), fp16 and fp32
   only (it reads bf16 wrongly), and bit for bit only: its fp32 -> e4m3 cast is wrong where the
   rounding carries into the exponent (tests/test_fp8_kv_kernels.py), the same in both paths;
-- which products take their input quantized (`takes_quantized_input`), and which layers are told
-  to write it so after loading;
+- which products take their input quantized (`takes_quantized_input`);
 - the engine: a tiny qwen3 / qwen2 (qkv bias) with `quantization="fp8"` gives the same greedy ids
-  and prompt logprobs, bit for bit, with the fusion on and off (FUSED_ACTIVATION_QUANT): on the
-  GPU with CUDA graphs and eagerly; on the CPU through the same layers with the producers' torch
-  steps, the products told to take quantized input there too.
+  and prompt logprobs, bit for bit, with the fusion on and off (FUSED_ACTIVATION_QUANT), and with
+  it on q/k/v, gate/up and down are handed quantized input, o not: on the GPU with CUDA graphs and
+  eagerly; on the CPU through the same layers with the producers' torch steps, the products told
+  to take quantized input there too.
 """
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -122,33 +123,42 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 TEACHER = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
 
 
-def _run(path: str, engine: dict) -> tuple[list[list[int]], list[float], torch.nn.Module]:
-    """Greedy ids, teacher-forced prompt logprobs and the model of a fresh fp8 engine."""
+def _run(path: str, engine: dict, monkeypatch) -> tuple[list[list[int]], list[float], dict[str, set[str]]]:
+    """Greedy ids and teacher-forced prompt logprobs of a fresh fp8 engine, and what its products took:
+    projection name (qkv_proj, o_proj, ...) -> the kinds of input its layers were given."""
+    taken: dict[int, set[str]] = {}  # id(layer) -> input kinds
+    plain_apply = fp8.Fp8LinearMethod.apply
+
+    def recording_apply(method, layer, x, bias):
+        taken.setdefault(id(layer), set()).add(type(x).__name__)
+        return plain_apply(method, layer, x, bias)
+    monkeypatch.setattr(fp8.Fp8LinearMethod, "apply", recording_apply)
     llm = LLM(path, quantization="fp8", skip_tokenizer_init=True, max_model_len=256, num_kvcache_blocks=64,
               **engine)
     prompts = random_prompts([9, 30, 41], seed=5)
     ids = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     logprobs = [entry[t].logprob for o in llm.generate(prompts, TEACHER, use_tqdm=False)
                 for t, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
-    return ids, logprobs, llm.llm_engine.model_runner.model
-
-
-def _quantized_outputs(model) -> dict[str, bool]:
-    """name -> quantized_output of every layer that has the flag."""
-    return {name: m.quantized_output for name, m in model.named_modules() if hasattr(m, "quantized_output")}
+    inputs: dict[str, set[str]] = {}
+    for name, module in llm.llm_engine.model_runner.model.named_modules():
+        if id(module) in taken:
+            inputs.setdefault(name.rsplit(".", 1)[-1], set()).update(taken[id(module)])
+    monkeypatch.setattr(fp8.Fp8LinearMethod, "apply", plain_apply)
+    del llm
+    gc.collect()
+    return ids, logprobs, inputs
 
 
 def _assert_fusion_changes_nothing(path: str, engine: dict, monkeypatch) -> None:
-    """The same ids and logprobs, bit for bit, with the fusion on and off; on, exactly the norms
-    before q/k/v and gate/up and the SiLU-and-mul write quantized output; off, none."""
-    fused_ids, fused_logprobs, model = _run(path, engine)
-    flags = _quantized_outputs(model)
-    assert {name for name, on in flags.items() if on} == {
-        f"model.layers.{i}.{part}" for i in range(len(model.model.layers))
-        for part in ("input_layernorm", "post_attention_layernorm", "mlp.act_fn")}
+    """The same ids and logprobs, bit for bit, with the fusion on and off; on, q/k/v, gate/up and
+    down take the fp8 values their norm or SiLU-and-mul wrote, and o a tensor; off, all tensors."""
+    fused_ids, fused_logprobs, inputs = _run(path, engine, monkeypatch)
+    assert inputs == {"qkv_proj": {"QuantizedActivation"}, "o_proj": {"Tensor"},
+                      "gate_up_proj": {"QuantizedActivation"}, "down_proj": {"QuantizedActivation"}}
     monkeypatch.setattr(fp8, "FUSED_ACTIVATION_QUANT", False)
-    ids, logprobs, model = _run(path, engine)
-    assert not any(_quantized_outputs(model).values())
+    ids, logprobs, inputs = _run(path, engine, monkeypatch)
+    assert set(inputs) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert all(kinds == {"Tensor"} for kinds in inputs.values())
     assert all(len(set(row)) >= 4 for row in ids)  # a continuation that moves
     assert fused_ids == ids
     assert fused_logprobs == logprobs
