@@ -6,7 +6,9 @@ a decode round's inputs between CUDA graph replays (`advance_decode_`, the math 
 Unfused, each of these is several elementwise kernels per layer; in a decode step
 that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
 inputs once and writes its outputs once. The math matches the torch versions in
-`kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does).
+`kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does). The RMSNorm's
+and SiLU-and-mul's arithmetic (`residual_rms_norm_row`, `silu_and_mul_cols`) is shared with
+kernels/triton_fused_quant.py, whose forms quantize the result to per-token fp8 instead of storing it.
 
 Compiled variants, per model: RMSNorm with and without the residual, RoPE with the K/V store
 (the GPU path always stores), SiLU-and-mul, and the round advance (its row count is
