@@ -88,6 +88,26 @@ def test_rms_norm_quant_is_norm_then_quantize_rows(gen, dtype, rows, hidden, wit
     _assert_near_reference(values, scale, fused_ops._rms_norm_torch(ref_in, weight.cpu(), EPS), dtype)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the compiled kernels' layouts: natively only")
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_rms_norm_quant_sums_squares_in_the_unfused_order(gen, hidden):
+    """Many rows at real hidden sizes (Qwen3-8B's, and one of 8192 lanes): were the fused RMSNorm's sum
+    of squares added in another order than triton_ops.rms_norm's (kernels/triton_fused_quant.py's
+    docstring), an inverse rms an ulp off would move a bf16 output an ulp in a few percent of rows,
+    and some of those an fp8 step; over 4096 rows several would."""
+    from nanovllm.kernels import triton_fp8, triton_fused_quant, triton_ops
+    rows = 4096
+    x, residual = ((torch.randn(rows, hidden, generator=gen) * 3).to(torch.bfloat16).cuda() for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(torch.bfloat16).cuda()
+    values, scale, _ = triton_fused_quant.rms_norm_per_token_quant(x, weight, EPS, residual, fp8.FP8_DTYPE,
+                                                                   fp8.MIN_SCALE)
+    normed, _ = triton_ops.rms_norm(x, weight, EPS, residual)
+    expected, expected_scale = triton_fp8.quantize_rows(normed, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+    differ = (values.view(torch.uint8) != expected.view(torch.uint8)).any(1)
+    assert not differ.any(), f"{int(differ.sum())} rows differ, seed {gen.initial_seed()}"
+    assert torch.equal(scale, expected_scale)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows,d", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

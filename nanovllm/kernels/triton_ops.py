@@ -71,6 +71,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_o + cols, y, mask=cols < hidden)
 
 
+# warps of an RMSNorm program (Triton's default): the layout of a row, hence the order of its sum of
+# squares, which triton_fused_quant's RMSNorm must share to round as this one does
+RMS_NORM_WARPS = 4
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """x: [num_tokens, hidden] -> out (and the new residual x + residual, when given)."""
@@ -80,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
-        **launch_options(x.device))
+        num_warps=RMS_NORM_WARPS, **launch_options(x.device))
     return out if residual is None else (out, res_out)
 
 
