@@ -78,7 +78,7 @@ def rms_norm_per_token_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     res_out = torch.empty_like(x) if residual is not None else None
     res, res_dst = (residual, res_out) if residual is not None else (x, x)  # unused pointers without one
     block = triton.next_power_of_2(hidden)
-    assert block >= STORE_CHUNK, hidden
+    assert block >= STORE_CHUNK.value, hidden
     if rows:
         _rms_norm_quant_kernel[(rows,)](
             x, res, weight, out, scale, res_dst, x.stride(0), res.stride(0), out.stride(0), res_dst.stride(0),
