@@ -8,6 +8,9 @@ after them (kernels/triton_fused_quant.py, layers/quantization/fp8.py's Quantize
   reference. Without a GPU in the interpreter child (tests/triton_interpreter.py), fp16 and fp32
   only (it reads bf16 wrongly), and bit for bit only: its fp32 -> e4m3 cast is wrong where the
   rounding carries into the exponent (tests/test_fp8_kv_kernels.py), the same in both paths;
+- what bit for bit rests on in the compiled RMSNorm, which the interpreter cannot see: its loads
+  laid out as triton_ops.rms_norm's (so the sum of squares adds in the same order), checked by
+  compiling both for sm_90 without a GPU; natively, 4096 rows at real hidden sizes;
 - which products take their input quantized (`takes_quantized_input`);
 - the engine: a tiny qwen3 / qwen2 (qkv bias) with `quantization="fp8"` gives the same greedy ids
   and prompt logprobs, bit for bit, with the fusion on and off (FUSED_ACTIVATION_QUANT), and with
@@ -24,7 +27,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.quantization import fp8
 from tiny_models import random_prompts
-from triton_interpreter import HAS_TRITON, RUN_HERE, OnGpu, needs_kernels, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, INTERPRETED, RUN_HERE, OnGpu, needs_kernels, rerun_under_interpreter
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -106,6 +109,39 @@ def test_rms_norm_quant_sums_squares_in_the_unfused_order(gen, hidden):
     differ = (values.view(torch.uint8) != expected.view(torch.uint8)).any(1)
     assert not differ.any(), f"{int(differ.sum())} rows differ, seed {gen.initial_seed()}"
     assert torch.equal(scale, expected_scale)
+
+
+def _bf16_load_layouts(fn, consts: dict, pointers: dict) -> set[str]:
+    """The layouts of a kernel's bf16 loads, compiled for sm_90 (no GPU needed: Triton's own tools)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    num_warps, names = consts.pop("num_warps"), list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "eps" else "i32") for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n in pointers or n.startswith("stride") or n == "hidden"}  # as the engine's launches specialize
+    ttgir = triton.compile(ASTSource(fn, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps)).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#blocked\d*) = (.*)$", ttgir, re.M))
+    return {layouts[name] for name in re.findall(r"tt\.load .*!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)}
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiles for the GPU: outside the interpreter child")
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
+def test_fused_rms_norm_lays_a_row_out_as_the_unfused_one(with_residual):
+    """The fused RMSNorm's loads get triton_ops.rms_norm's layout, hence its order of the sum of squares
+    (kernels/triton_fused_quant.py's docstring): a 1-D fp8 store of the row would widen them to 16 elements
+    a thread. Checked on Qwen3-8B's hidden size, compiled for sm_90 without a GPU."""
+    from nanovllm.kernels import triton_fused_quant, triton_ops
+    common = dict(HAS_RESIDUAL=with_residual, BLOCK=4096, PDL=False, num_warps=triton_ops.RMS_NORM_WARPS)
+    bf16 = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", res_out_ptr="*bf16")
+    fused = _bf16_load_layouts(triton_fused_quant._rms_norm_quant_kernel,
+                               dict(common, FP8_MAX=fp8.FP8_MAX, MIN_SCALE=fp8.MIN_SCALE),
+                               dict(bf16, out_ptr="*fp8e4nv", scale_ptr="*fp32"))
+    unfused = _bf16_load_layouts(triton_ops._rms_norm_kernel, dict(common), dict(bf16, out_ptr="*bf16"))
+    assert len(unfused) == 1 and fused == unfused, (fused, unfused)
 
 
 @needs_kernels
