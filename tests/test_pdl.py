@@ -7,8 +7,9 @@ kernels never launch with it and these tests skip):
 
 - deterministically: a kernel that lets the next one start at once and only writes its output
   after a long spin, followed by each kind of PDL consumer of that output (RMSNorm, a one-row
-  product in either form, SiLU-and-mul, the fp8 activations' quantization and the fp8 batch
-  product): a consumer reading before its wait would see the old values;
+  product in either form, SiLU-and-mul, the fp8 activations' quantization, alone or fused into
+  the RMSNorm and SiLU-and-mul, and the fp8 batch product): a consumer reading before its wait
+  would see the old values;
 - end to end: an engine with PDL on and the same engine with it off give the same ids and
   logprobs bit for bit, one sequence at a time (one-row steps: the skinny products, split-KV
   decodes) and batched, over a bf16 and an fp8 KV cache, with the one-row products in either
@@ -135,6 +136,40 @@ def test_batch_consumers_wait_for_a_late_writer():
         assert torch.equal(quantized.view(torch.uint8), values_fp8.view(torch.uint8))
         assert torch.equal(scale, values_scale)
         assert torch.equal(product, ref_product)
+
+
+@needs_pdl_gpu
+def test_fused_quant_consumers_wait_for_a_late_writer():
+    """The RMSNorm (+ residual) and SiLU-and-mul that write per-token fp8 (kernels/triton_fused_quant.py)
+    each read what a late writer wrote last."""
+    from nanovllm.kernels import triton_fused_quant
+    from nanovllm.layers.quantization import fp8
+    g = torch.Generator(device="cuda").manual_seed(7)
+    rows, k = 40, 1024
+    values, residual = (torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    norm_w = torch.randn(k, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def norm(x, res):
+        return triton_fused_quant.rms_norm_per_token_quant(x, norm_w, 1e-6, res, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+
+    def silu(x):
+        return triton_fused_quant.silu_and_mul_per_token_quant(x, fp8.FP8_DTYPE, fp8.MIN_SCALE)
+
+    def bits(outs):
+        return [t.view(torch.uint8) if t.dtype == fp8.FP8_DTYPE else t for t in outs]
+    ref_norm, ref_silu = bits(norm(values, residual)), bits(silu(values))
+    for _ in range(3):
+        x, res = torch.zeros_like(values), torch.zeros_like(residual)
+        torch.cuda.synchronize()
+        _late_write(res, residual)
+        _late_write(x, values)
+        normed = norm(x, res)
+        _late_write(x, -values)
+        _late_write(x, values)
+        activated = silu(x)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(bits(normed), ref_norm))
+        assert all(torch.equal(a, b) for a, b in zip(bits(activated), ref_silu))
 
 
 @needs_pdl_gpu

@@ -4,7 +4,8 @@ and the product with a block-scaled fp8 weight (HF fine-grained FP8 checkpoints)
 `quantize_rows(x)` is `layers/quantization/fp8.quantize_rows` in one launch (the torch
 version is five elementwise kernels and a reduction per linear layer, which a decode step
 of a 36-layer model pays 144 times): one program per row computes its amax, its scale
-(amax / 448, at least MIN_SCALE) and the clamped e4m3 values.
+(amax / 448, at least MIN_SCALE) and the clamped e4m3 values (`quantize_row`, which the
+RMSNorm and SiLU-and-mul of kernels/triton_fused_quant.py share, quantizing what they compute).
 
 (The rowwise-scaled product of decode-sized batches: kernels/triton_batch_gemm.py.)
 
@@ -31,6 +32,17 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def quantize_row(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """One row x [BLOCK] (lanes past the row zero) quantized with a scale of its own: (the clamped
+    values x / scale in float32, to be cast to e4m3 as they are stored; the float32 scale, amax /
+    FP8_MAX, at least MIN_SCALE). The one definition of this rounding: the RMSNorm and SiLU-and-mul
+    that quantize what they compute (kernels/triton_fused_quant.py) call it too."""
+    xf = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(xf), 0) / FP8_MAX, MIN_SCALE)
+    return tl.minimum(tl.maximum(xf / scale, -FP8_MAX), FP8_MAX), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, cols,
                           FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
                           PDL: tl.constexpr):
@@ -39,9 +51,8 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, stride_x, stride_o, cols,
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX, MIN_SCALE)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)  # [BLOCK]
+    q, scale = quantize_row(x, FP8_MAX, MIN_SCALE)
     tl.store(out_ptr + row * stride_o + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

@@ -6,7 +6,9 @@ a decode round's inputs between CUDA graph replays (`advance_decode_`, the math 
 Unfused, each of these is several elementwise kernels per layer; in a decode step
 that is mostly launch time, even inside a CUDA graph. Each kernel here reads its
 inputs once and writes its outputs once. The math matches the torch versions in
-`kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does).
+`kernels/fused_ops.py` (float32 inside, rounding to the input dtype where HF does). The RMSNorm's
+and SiLU-and-mul's arithmetic (`residual_rms_norm_row`, `silu_and_mul_cols`) is shared with
+kernels/triton_fused_quant.py, whose forms quantize the result to per-token fp8 instead of storing it.
 
 Compiled variants, per model: RMSNorm with and without the residual, RoPE with the K/V store
 (the GPU path always stores), SiLU-and-mul, and the round advance (its row count is
@@ -40,13 +42,10 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
-    """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
-    launch_dependents(PDL)
-    wait_for_prior_grid(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def residual_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, hidden, eps,
+                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: [res_out =] x (+ res), stored; returns w * (res_out / rms(res_out)) in x's dtype
+    (lanes past `hidden` zero).  # [BLOCK]"""
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -55,8 +54,26 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
     row_inv_rms = inv_rms(x.to(tl.float32), hidden, eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = rms_scaled(x, row_inv_rms, w)
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    return rms_scaled(x, row_inv_rms, w)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o,
+                     stride_ro, hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    """One program per row: [res_out =] x (+ res); out = w * (res_out / rms(res_out))."""
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    y = residual_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, hidden, eps,
+                              HAS_RESIDUAL, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=cols < hidden)
+
+
+# warps of an RMSNorm program (Triton's default): the layout of a row, hence the order of its sum of
+# squares, which triton_fused_quant's RMSNorm must share to round as this one does
+RMS_NORM_WARPS = 4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -68,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         x.shape[1], eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
-        **launch_options(x.device))
+        num_warps=RMS_NORM_WARPS, **launch_options(x.device))
     return out if residual is None else (out, res_out)
 
 
@@ -214,15 +231,22 @@ def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 
 
 @triton.jit
+def silu_and_mul_cols(x_ptr, row, stride_x, d, cols, mask):
+    """silu(gate) * up at columns `cols` of one row of x [num_tokens, 2 * d] (gate | up), in x's
+    dtype; masked lanes zero."""
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    return silu_mul(gate, up)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
-    y = silu_mul(gate, up)
+    y = silu_and_mul_cols(x_ptr, row, stride_x, d, cols, mask)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 

@@ -81,6 +81,16 @@ class DecoderLayer(nn.Module):
         self.dense_qkv = is_unquantized(self.self_attn.qkv_proj)
         self.dense_mlp = isinstance(self.mlp, DecoderMLP) and is_unquantized(self.mlp.gate_up_proj)
 
+    def quantized_input_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(layer, linear) pairs where the linear layer is the only reader of the layer's output, which
+        it may then take quantized (layers/quantization/__init__.py): the norms before q/k/v and (in a
+        layer without experts) gate/up, and the SiLU-and-mul before down; not o, whose input the
+        attention writes."""
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, DecoderMLP):
+            pairs += [(self.post_attention_layernorm, self.mlp.gate_up_proj), (self.mlp.act_fn, self.mlp.down_proj)]
+        return pairs
+
     def forward(self, positions, hidden, residual):
         # exactly one row: the fused norm normalizes one row (skinny_norm_linear)
         if self.dense_qkv and hidden.is_cuda and hidden.shape[0] == 1:

@@ -8,7 +8,9 @@ option and the checkpoint's `quantization_config` (config.json) into one
 The model is built inside `building_with(quant_config)` (as it is inside
 `tensor_parallel`), and each linear layer asks `get_linear_method(layer)` for its method
 when it is constructed, so model files know nothing of quantization. After the weights are
-loaded, `process_weights_after_loading(model)` lets every method repack what it loaded.
+loaded, `process_weights_after_loading(model)` lets every method repack what it loaded, and
+tells the layers that feed a method taking quantized input (fp8's rowwise products on the GPU)
+to write it so.
 
 Methods live in their own files in this package and register themselves with
 `@register_quantization("name")`; this file imports each such module at its end, so the
@@ -97,6 +99,17 @@ def process_weights_after_loading(model: nn.Module, quant_config: QuantizationCo
             method.process_weights_after_loading(module)
     if quant_config is not None:
         quant_config.process_model_after_loading(model)
+    _quantize_outputs_where_taken(model)
+
+
+def _quantize_outputs_where_taken(model: nn.Module) -> None:
+    """Each layer whose output only one linear layer reads (the pairs a model module lists in its
+    `quantized_input_pairs()`) writes that output quantized when the linear's method takes it so
+    (`LinearMethod.takes_quantized_input`): its `quantized_output` flag."""
+    for module in model.modules():
+        pairs = module.quantized_input_pairs() if hasattr(module, "quantized_input_pairs") else ()
+        for producer, linear in pairs:
+            producer.quantized_output = linear.quant_method.takes_quantized_input(linear)
 
 
 def _known() -> str:

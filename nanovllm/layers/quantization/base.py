@@ -16,7 +16,8 @@ method owns the layer's parameters and its product, in three steps (vLLM's split
 - `process_weights_after_loading(layer)`: once every checkpoint tensor is in, turn what
   was loaded into what `apply` runs on (quantize, repack for a kernel, transpose).
 - `apply(layer, x, bias)`: the product, `x` [num_tokens, input_size] ->
-  [num_tokens, output_size] (this rank's partial sum for row-parallel layers).
+  [num_tokens, output_size] (this rank's partial sum for row-parallel layers). A method whose
+  `takes_quantized_input(layer)` is True may get `x` already quantized by the layer before it.
 
 `UnquantizedLinearMethod` is the dense product every engine ran before quantization
 existed, and what runs when no method is configured.
@@ -46,6 +47,11 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def takes_quantized_input(self, layer: nn.Module) -> bool:
+        """Whether `apply` takes its input quantized by the layer before it (fp8.py's
+        `QuantizedActivation`), asked once after loading (layers/quantization/__init__.py)."""
+        return False
 
     @property
     def is_dense(self) -> bool:

@@ -28,14 +28,24 @@ default); `_scaled_mm` runs on CPU too, which is how CI tests it. Block-scaled w
 a Triton GEMM on the GPU (kernels/triton_fp8.py: bf16/fp16 activations times the fp8 weight
 tile, one scale per block; torch 2.11's block-wise `_scaled_mm` is not used, see
 benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dtype per call.
+
+Activations arriving quantized: on the GPU the RMSNorm before q/k/v and gate/up and the
+SiLU-and-mul before down write their output as per-token fp8 themselves, in the kernel that
+computes it (kernels/triton_fused_quant.py), when told at load that the product after them is a
+rowwise one here (`takes_quantized_input`; the model names the pairs, DecoderLayer's
+`quantized_input_pairs`, and layers/quantization/__init__.py tells them); `apply` then takes
+that `QuantizedActivation` as it is. The
+values and scales are those of the op's output quantized by `quantize_rows`, bit for bit, so the
+products are unchanged; one launch and one read of each row fewer (FUSED_ACTIVATION_QUANT).
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import kv_quant
+from nanovllm.kernels import fused_ops, kv_quant
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import LinearMethod, QuantizationConfig, set_shard_tags
 
@@ -48,6 +58,11 @@ UNQUANTIZED_OK = ("lm_head", "re:.*lm_head")  # names a checkpoint may leave den
 # 12,355 tok/s with it against 11,655 without, with the same error against the fp32 product (0.0375,
 # the fp8 rounding of x and w), on an H200 (benchmarks/RESULTS.md "Fifteenth session").
 FAST_ACCUM = True
+# The RMSNorm / SiLU-and-mul before a rowwise product on the GPU write its per-token fp8 input
+# (module docstring); False: the product quantizes its input itself. Read at load, so set before an
+# engine starts (the benchmarks' A/B: --attn-constants with the key
+# "nanovllm.layers.quantization.fp8.FUSED_ACTIVATION_QUANT").
+FUSED_ACTIVATION_QUANT = True
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +73,41 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_fp8.quantize_rows(x, FP8_DTYPE, MIN_SCALE)
     scale = (x.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """A rowwise fp8 linear layer's input, quantized per token by the layer before it (as
+    `quantize_rows` would quantize the values that layer computes)."""
+    values: torch.Tensor   # [num_tokens, in] e4m3
+    scale: torch.Tensor    # [num_tokens, 1] float32
+    dtype: torch.dtype     # the activations' own dtype: the product's output dtype
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`fused_ops.rms_norm` with its output quantized per token: a QuantizedActivation, or (it, x +
+    residual) when a residual is given. One Triton launch on the GPU; elsewhere the two steps."""
+    if x.is_cuda:
+        from nanovllm.kernels import triton_fused_quant
+        values, scale, new_residual = triton_fused_quant.rms_norm_per_token_quant(x, weight, eps, residual,
+                                                                                  FP8_DTYPE, MIN_SCALE)
+    else:
+        out = fused_ops.rms_norm(x, weight, eps, residual)
+        y, new_residual = out if residual is not None else (out, None)   # [num_tokens, hidden]
+        values, scale = quantize_rows(y)
+    quantized = QuantizedActivation(values, scale, x.dtype)
+    return quantized if residual is None else (quantized, new_residual)
+
+
+def silu_and_mul_quant(x: torch.Tensor) -> QuantizedActivation:
+    """`fused_ops.silu_and_mul` (x [num_tokens, 2 * d] -> [num_tokens, d]) with its output quantized
+    per token. One Triton launch on the GPU; elsewhere the two steps."""
+    if x.is_cuda:
+        from nanovllm.kernels import triton_fused_quant
+        values, scale = triton_fused_quant.silu_and_mul_per_token_quant(x, FP8_DTYPE, MIN_SCALE)
+    else:
+        values, scale = quantize_rows(fused_ops.silu_and_mul(x))
+    return QuantizedActivation(values, scale, x.dtype)
 
 
 def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
@@ -100,15 +150,24 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight_scale = nn.Parameter(layer.weight_scale.data.reshape(1, -1).contiguous(),
                                               requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.source == "block":
+    def takes_quantized_input(self, layer: nn.Module) -> bool:
+        """Rowwise products on the GPU take their input quantized by the layer before them."""
+        return FUSED_ACTIVATION_QUANT and self.source != "block" and layer.weight.is_cuda
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):  # quantized by the layer before (takes_quantized_input)
+            assert self.source != "block", "block-scaled products take 16-bit activations"
+            x_fp8, x_scale, dtype, lead = x.values, x.scale, x.dtype, x.values.shape[:-1]
+        elif self.source == "block":
             return self._apply_block(layer, x, bias)
-        x2 = x.reshape(-1, x.shape[-1])                                   # [tokens, in]
-        x_fp8, x_scale = quantize_rows(x2)                                # per token
-        y = _rowwise_product(x_fp8, x_scale, layer.weight, layer.weight_scale, x.dtype)  # [tokens, out]
+        else:
+            x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))    # [tokens, in], [tokens, 1]
+            dtype, lead = x.dtype, x.shape[:-1]
+        y = _rowwise_product(x_fp8, x_scale, layer.weight, layer.weight_scale, dtype)  # [tokens, out]
         if bias is not None:
             y = y + bias
-        return y.view(*x.shape[:-1], -1)
+        return y.view(*lead, -1)
 
 
     def _apply_block(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
