@@ -215,7 +215,9 @@ def _assert_fusion_changes_nothing(path: str, engine: dict, monkeypatch) -> None
     ids, logprobs, inputs = _run(path, engine, monkeypatch)
     assert set(inputs) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert all(kinds == {"Tensor"} for kinds in inputs.values())
-    assert all(len(set(row)) >= 4 for row in ids)  # a continuation that moves
+    # the bit-for-bit comparison is over values that vary (a tiny random model's greedy continuation
+    # may repeat one token; its teacher-forced logprobs over random prompts do not)
+    assert len(set(logprobs)) >= len(logprobs) // 2
     assert fused_ids == ids
     assert fused_logprobs == logprobs
 
