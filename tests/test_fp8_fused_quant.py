@@ -123,7 +123,8 @@ def _bf16_load_layouts(fn, consts: dict, pointers: dict) -> set[str]:
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                if n in pointers or n.startswith("stride") or n == "hidden"}  # as the engine's launches specialize
     ttgir = triton.compile(ASTSource(fn, signature, consts, aligned), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=num_warps)).asm["ttgir"]
+                           # fused multiply-adds on, as every Triton the engine runs on compiles by default
+                           options=dict(num_warps=num_warps, enable_fp_fusion=True)).asm["ttgir"]
     layouts = dict(re.findall(r"^(#blocked\d*) = (.*)$", ttgir, re.M))
     return {layouts[name] for name in re.findall(r"tt\.load .*!tt\.ptr<bf16>, (#blocked\d*)>", ttgir)}
 
