@@ -130,13 +130,14 @@ def _bf16_load_layouts(fn, consts: dict, pointers: dict) -> set[str]:
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiles for the GPU: outside the interpreter child")
+@pytest.mark.parametrize("block", [1024, 4096, 8192])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
-def test_fused_rms_norm_lays_a_row_out_as_the_unfused_one(with_residual):
+def test_fused_rms_norm_lays_a_row_out_as_the_unfused_one(with_residual, block):
     """The fused RMSNorm's loads get triton_ops.rms_norm's layout, hence its order of the sum of squares
     (kernels/triton_fused_quant.py's docstring): a 1-D fp8 store of the row would widen them to 16 elements
-    a thread. Checked on Qwen3-8B's hidden size, compiled for sm_90 without a GPU."""
+    a thread. Checked at hidden sizes around Qwen3's (4096), compiled for sm_90 without a GPU."""
     from nanovllm.kernels import triton_fused_quant, triton_ops
-    common = dict(HAS_RESIDUAL=with_residual, BLOCK=4096, PDL=False, num_warps=triton_ops.RMS_NORM_WARPS)
+    common = dict(HAS_RESIDUAL=with_residual, BLOCK=block, PDL=False, num_warps=triton_ops.RMS_NORM_WARPS)
     bf16 = dict(x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", res_out_ptr="*bf16")
     fused = _bf16_load_layouts(triton_fused_quant._rms_norm_quant_kernel,
                                dict(common, FP8_MAX=fp8.FP8_MAX, MIN_SCALE=fp8.MIN_SCALE),

@@ -45,7 +45,7 @@ def silu_mul(gate, up):
 def residual_rms_norm_row(x_ptr, res_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, stride_ro, hidden, eps,
                           HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """One row: [res_out =] x (+ res), stored; returns w * (res_out / rms(res_out)) in x's dtype
-    (lanes past `hidden` zero).  # [BLOCK]"""
+    (lanes past `hidden` zero): [BLOCK]."""
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fused_ops import silu_and_mul
-from nanovllm.layers.quantization import fp8
+from nanovllm.layers.quantization import fp8_activation
+from nanovllm.layers.quantization.fp8 import QuantizedActivation
 
 
 class SiluAndMul(nn.Module):
@@ -14,8 +15,8 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.quantized_output = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | fp8.QuantizedActivation:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedActivation:
         """x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]"""
         if self.quantized_output:
-            return fp8.silu_and_mul_quant(x)
+            return fp8_activation.silu_and_mul_quant(x)
         return silu_and_mul(x)

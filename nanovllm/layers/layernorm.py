@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.fused_ops import rms_norm
-from nanovllm.layers.quantization import fp8
+from nanovllm.layers.quantization import fp8_activation
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given; with
-        `quantized_output`, norm(...) as an fp8.QuantizedActivation."""
+        `quantized_output`, norm(...) as an fp8 QuantizedActivation."""
         if self.quantized_output:
-            return fp8.rms_norm_quant(x, self.weight, self.eps, residual)
+            return fp8_activation.rms_norm_quant(x, self.weight, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, residual)

@@ -31,12 +31,12 @@ benchmarks/RESULTS.md "FP8"), and elsewhere are dequantized to the activation dt
 
 Activations arriving quantized: on the GPU the RMSNorm before q/k/v and gate/up and the
 SiLU-and-mul before down write their output as per-token fp8 themselves, in the kernel that
-computes it (kernels/triton_fused_quant.py), when told at load that the product after them is a
-rowwise one here (`takes_quantized_input`; the model names the pairs, DecoderLayer's
-`quantized_input_pairs`, and layers/quantization/__init__.py tells them); `apply` then takes
-that `QuantizedActivation` as it is. The
-values and scales are those of the op's output quantized by `quantize_rows`, bit for bit, so the
-products are unchanged; one launch and one read of each row fewer (FUSED_ACTIVATION_QUANT).
+computes it (layers/quantization/fp8_activation.py), when told at load that the product after
+them is a rowwise one here (`takes_quantized_input`; the model names the pairs, DecoderLayer's
+`quantized_input_pairs`, and layers/quantization/__init__.py tells them); `apply` then takes that
+`QuantizedActivation` as it is. The values and scales are those of the op's output quantized by
+`quantize_rows`, bit for bit, so the products are unchanged; one launch and one read of each row
+fewer (FUSED_ACTIVATION_QUANT).
 """
 import functools
 from dataclasses import dataclass
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import fused_ops, kv_quant
+from nanovllm.kernels import kv_quant
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import LinearMethod, QuantizationConfig, set_shard_tags
 
@@ -82,32 +82,6 @@ class QuantizedActivation:
     values: torch.Tensor   # [num_tokens, in] e4m3
     scale: torch.Tensor    # [num_tokens, 1] float32
     dtype: torch.dtype     # the activations' own dtype: the product's output dtype
-
-
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """`fused_ops.rms_norm` with its output quantized per token: a QuantizedActivation, or (it, x +
-    residual) when a residual is given. One Triton launch on the GPU; elsewhere the two steps."""
-    if x.is_cuda:
-        from nanovllm.kernels import triton_fused_quant
-        values, scale, new_residual = triton_fused_quant.rms_norm_per_token_quant(x, weight, eps, residual,
-                                                                                  FP8_DTYPE, MIN_SCALE)
-    else:
-        out = fused_ops.rms_norm(x, weight, eps, residual)
-        y, new_residual = out if residual is not None else (out, None)   # [num_tokens, hidden]
-        values, scale = quantize_rows(y)
-    quantized = QuantizedActivation(values, scale, x.dtype)
-    return quantized if residual is None else (quantized, new_residual)
-
-
-def silu_and_mul_quant(x: torch.Tensor) -> QuantizedActivation:
-    """`fused_ops.silu_and_mul` (x [num_tokens, 2 * d] -> [num_tokens, d]) with its output quantized
-    per token. One Triton launch on the GPU; elsewhere the two steps."""
-    if x.is_cuda:
-        from nanovllm.kernels import triton_fused_quant
-        values, scale = triton_fused_quant.silu_and_mul_per_token_quant(x, FP8_DTYPE, MIN_SCALE)
-    else:
-        values, scale = quantize_rows(fused_ops.silu_and_mul(x))
-    return QuantizedActivation(values, scale, x.dtype)
 
 
 def expand_block_scales(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
