@@ -21,6 +21,15 @@ Inductor. `prepare` builds it at engine start-up; where there is no C++ compiler
 built before), or the build fails, `kernel_for` returns None and the caller keeps its torch-only
 path (no error, nothing printed).
 
+bf16 caches on CPUs with AVX512-BF16 (the engine's bf16 kind) take rows of their own in the
+C++: each K/V row is converted once for the whole group of query heads (the generic rows convert
+it once per head), the scores are `vdpbf16ps` dot products (exact bf16 products summed in fp32,
+in another order than the generic rows: the scores differ at fp32 rounding, and B2's greedy ids
+part from the generic rows' only at near-ties), the values the generic rows' fmadd in the same
+order (their bits). SmolLM2's B2 decode steps (64 rows, two threads): the attention 11.5 against
+13.3 ms a step; one layer's K/V in cache, 5.9 against 8.1 ms for 30 calls (RESULTS.md "B2 CPU,
+round 15"). Elsewhere (fp32, fp16, AVX2) the generic rows run.
+
 fp8 caches stay on the torch-only path: a first version of this kernel that dequantized e4m3
 element by element (c10's exact conversion) ran 4-13x slower than it (RESULTS.md "B2 CPU,
 round 12").
