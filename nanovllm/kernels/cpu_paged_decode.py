@@ -55,7 +55,8 @@ TASKS_PER_THREAD = 4
 MIN_PARTITION_KEYS = 256
 # Blocks ahead of the one being read whose rows the kernel prefetches (a sequence's blocks lie
 # anywhere): cold, 30 layers in turn, two threads, bf16, 16 / 64 rows: 0 blocks 372 / 1,167 us a
-# layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12").
+# layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12"); prefetched
+# into L2 since round 15 (its B2-like 64 rows: 1 and 2 blocks alike, 3 and 4 slower).
 PREFETCH_BLOCKS = 2
 # the C++ entry point's arguments (kernel() in cpu_paged_decode.cpp), {t} the element type
 _ARG_TYPES = (["const {t}*"] * 3 + ["const int32_t*"] * 2 + ["{t}*", "float*"] + ["long"] * 14
