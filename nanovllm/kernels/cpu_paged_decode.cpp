@@ -148,16 +148,31 @@ void task_scores(const Problem& p, int64_t seq, int64_t head, int64_t start, int
   });
 }
 
-// In place: scores of one query head -> exp(score - max); returns (max, sum of the exps).
+// In place: scores of one query head -> exp(score - max); returns (max, sum of the exps). The
+// maximum by vectors (any order gives the same); the last n % W scores by one more vector where
+// VectorTail (bf16 rows: another exp and summation order than std::exp's one by one), else one by
+// one as the generic rows always did.
+template <bool VectorTail>
 std::pair<float, float> exp_in_place(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-  Vec sum(0.f), vm(m);
+  Vec vmax(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
+  for (; i + W <= n; i += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + i));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  Vec sum(0.f), vm(m);
+  for (i = 0; i + W <= n; i += W) {
     Vec x = (Vec::loadu(s + i) - vm).exp();
     x.store(s + i);
     sum = sum + x;
+  }
+  if constexpr (VectorTail) {
+    if (i < n) {
+      const int rest = static_cast<int>(n - i);
+      const Vec x = Vec::set(Vec(0.f), (Vec::loadu(s + i, rest) - vm).exp(), rest);
+      x.store(s + i, rest);
+      sum = sum + x;
+    }
+    return {m, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum)};
   }
   float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
   for (; i < n; ++i) {
@@ -349,7 +364,7 @@ void run_task(const Problem& p, int64_t task, float* scratch) {
     task_scores(p, seq, head, start, end, q, scores);
   }
   for (int64_t g = 0; g < G; ++g) {
-    auto [m, s] = exp_in_place(scores + g * (end - start), end - start);
+    auto [m, s] = exp_in_place<kBf16Rows>(scores + g * (end - start), end - start);
     stats[g] = m, stats[G + g] = s;
   }
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
