@@ -130,12 +130,18 @@ def test_mode_3_where_it_cannot_run_is_named(tiny_model):
         LLM(path, device="cpu", dtype="float32", compilation_config=3)
 
 
-def test_server_compiles_a_cpu_engine_unless_told_or_unable(tiny_model):
-    """`nanovllm serve` gives a CPU engine mode 3 when no mode is given, and leaves the engine's own
-    default where mode 3 cannot run (experts, tensor parallelism, the GPU)."""
+def test_server_compiles_a_cpu_engine_by_cpu_kind_unless_told_or_unable(tiny_model, monkeypatch):
+    """`nanovllm serve` gives a CPU engine mode 3 when no mode is given on CPUs without fast bf16,
+    leaves it eager (the engine's default) on those with it, and leaves the engine's own default
+    where mode 3 cannot run (experts, tensor parallelism, the GPU)."""
     path, _ = tiny_model("qwen3")
     moe_path, _ = tiny_model("qwen3moe")
-    assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) == cpu_compile.DEFAULT_CPU_SERVER_MODE == 3
+    monkeypatch.setattr(cpu_compile, "cpu_has_fast_bf16", lambda: True)
+    assert cpu_compile.server_default_mode() == 0
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) is None
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "compilation_config": 3}) == 3
+    monkeypatch.setattr(cpu_compile, "cpu_has_fast_bf16", lambda: False)
+    assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) == cpu_compile.server_default_mode() == 3
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "compilation_config": 0}) == 0
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "enforce_eager": True}) is None
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu", "tensor_parallel_size": 2}) is None
@@ -147,6 +153,7 @@ def test_no_cpp_compiler_keeps_the_server_eager_and_names_it(tiny_model, monkeyp
     mode 3 is a ValueError saying why, instead of Inductor failing mid-start-up."""
     path, _ = tiny_model("qwen3")
     monkeypatch.setattr(cpp_compiler, "cpp_compiler_found", lambda: False)
+    monkeypatch.setattr(cpu_compile, "cpu_has_fast_bf16", lambda: False)  # (a CPU kind that would compile)
     assert cpu_compile.server_compilation_mode(path, {"device": "cpu"}) is None
     with pytest.raises(ValueError, match="no C\\+\\+ compiler found"):
         LLM(path, device="cpu", dtype="float32", compilation_config=3)

@@ -24,14 +24,14 @@ BF16_TOL = 8e-3
 FP16_TOL = 1e-3  # the same for fp16's 2^-11 steps
 
 
-def _case(seq_lens, num_heads, num_kv_heads, dtype, layout, block_size=16, seed=0):
+def _case(seq_lens, num_heads, num_kv_heads, dtype, layout, block_size=16, seed=0, head_dim=HEAD_DIM):
     """q [num_seqs, num_heads, d] and a shuffled paged cache holding `seq_lens` contexts in
     `layout` ("interleaved": [blocks, rows, kv_heads, d] memory; "heads_major": the engine's,
     cpu_attn.new_kv_cache), block tables padded with -1 past each sequence's blocks."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks no table points at
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     if layout == "heads_major":
         k_cache, v_cache = cpu_attn.new_kv_cache(shape, dtype, torch.device("cpu"))
@@ -42,7 +42,7 @@ def _case(seq_lens, num_heads, num_kv_heads, dtype, layout, block_size=16, seed=
     tables = torch.full((len(seq_lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
     for i, n in enumerate(blocks_per_seq):
         tables[i, :n] = torch.tensor([order.pop() for _ in range(n)])
-    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32), tables
 
 
@@ -77,17 +77,33 @@ def test_kernel_matches_reference(dtype, tol, layout, num_heads, num_kv_heads):
 
 
 @needs_compiler
-@pytest.mark.parametrize("num_parts", [2, 7])
-def test_partitions_of_long_contexts_merge_to_the_reference(num_parts, monkeypatch):
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(5, 1), (16, 2), (14, 2)])  # groups 5, 8, 7
+@pytest.mark.parametrize("head_dim", [32, 48, 128])
+def test_bf16_groups_in_fours_and_head_sizes(num_heads, num_kv_heads, head_dim):
+    """bf16 on AVX512-BF16 runs rows of its own (a group's query heads taken four at a time, head
+    sizes a multiple of 32; 48 takes the generic rows), the scale applied to the sums (not a power
+    of two here); each against the reference."""
+    q, k_cache, v_cache, seq_lens, tables = _case(SEQ_LENS, num_heads, num_kv_heads, torch.bfloat16,
+                                                  "heads_major", head_dim=head_dim)
+    scale = head_dim ** -0.5
+    ours = _kernel_out(q, k_cache, v_cache, seq_lens, tables, scale)
+    torch.testing.assert_close(ours.float(), _reference(q, k_cache, v_cache, seq_lens, tables, scale),
+                               rtol=BF16_TOL, atol=BF16_TOL)
+
+
+@needs_compiler
+@pytest.mark.parametrize("num_parts, dtype, tol", [(2, torch.float32, FP32_TOL), (7, torch.float32, FP32_TOL),
+                                                   (3, torch.bfloat16, BF16_TOL)])
+def test_partitions_of_long_contexts_merge_to_the_reference(num_parts, dtype, tol, monkeypatch):
     """Few sequences with long contexts split their keys into partitions (some past a short
     sequence's end: empty); the merged output equals the reference."""
     seq_lens = [2000, 3, 700]
-    q, k_cache, v_cache, lens, tables = _case(seq_lens, 9, 3, torch.float32, "heads_major", seed=1)
+    q, k_cache, v_cache, lens, tables = _case(seq_lens, 9, 3, dtype, "heads_major", seed=1)
     part_len = -(-max(seq_lens) // num_parts)
     monkeypatch.setattr(cpu_paged_decode, "partitions", lambda *args: (num_parts, part_len))
     ours = _kernel_out(q, k_cache, v_cache, lens, tables, 0.125)
-    torch.testing.assert_close(ours, _reference(q, k_cache, v_cache, lens, tables, 0.125), rtol=FP32_TOL,
-                               atol=FP32_TOL)
+    torch.testing.assert_close(ours.float(), _reference(q, k_cache, v_cache, lens, tables, 0.125), rtol=tol,
+                               atol=tol)
 
 
 def test_partitions_only_where_threads_would_idle():

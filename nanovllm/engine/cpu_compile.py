@@ -18,8 +18,9 @@ starts; Inductor's compiled code is cached on disk (torch's FX graph / AOTAutogr
 /tmp/torchinductor_<user> unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a later process
 skips the lowering and the C++ compilation: on SmolLM2, ~36 s with an empty cache, ~5 s from it,
 for a decode step 5-20% faster (benchmarks/RESULTS.md "B2 CPU, round 5", where the whole-model
-graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager, except for a server
-(`nanovllm serve`), which runs long enough to repay it: DEFAULT_CPU_SERVER_MODE.
+graph and one layer a graph are measured too). Hence DEFAULT_CPU_MODE: eager; a server (`nanovllm
+serve`), which runs long enough to repay the compile time, compiles where that measured faster
+(server_default_mode: not on CPUs with fast bf16 since the C++ small ops, round 15).
 """
 
 import warnings
@@ -31,16 +32,22 @@ from nanovllm.layers import opaque_ops
 from nanovllm.layers.fused_moe import SparseMoeBlock
 from nanovllm.models.decoder import run_decoder_layers
 from nanovllm.utils import cpp_compiler
+from nanovllm.utils.device import cpu_has_fast_bf16
 
 COMPILE_MODE = 3
 # The mode a CPU engine runs when compilation_config is not given: eager, as the compile time
 # outweighs the gain for a short run (the README's first command).
 DEFAULT_CPU_MODE = 0
-# The mode `nanovllm serve` runs a CPU engine in when compilation_config is not given: compiled. On the
-# 2-core AVX512-BF16 machine with two threads the server served 165.2-174.1 tok/s compiled against
-# 143.2-144.7 eager (TPOT 64.7-70.1 against 77.6-79.3 ms, alternating pairs), for a start-up of +22 s
-# with an empty Inductor cache and ~+7 s from it (benchmarks/RESULTS.md "B2 CPU, round 10").
-DEFAULT_CPU_SERVER_MODE = COMPILE_MODE
+# The mode `nanovllm serve` runs a CPU engine in when compilation_config is not given, by the CPU's
+# kind (server_default_mode). Where bf16 is fast (AVX512-BF16, AMX: the engine runs bf16) eager, since
+# the C++ small ops and paged decode kernel of kernels/ run only eagerly: on the 2-core AVX512-BF16
+# machine, two threads, B2's serving run, eager served 256.1-282.2 tok/s against 226.4-242.5 compiled
+# (TPOT 35.7-40.6 against 39.7-50.3 ms, three alternating pairs) and started in 6-8 s against 14
+# (benchmarks/RESULTS.md "B2 CPU, round 15"; round 10, before those kernels, had compiled ahead:
+# 165-174 against 143-145 tok/s). Elsewhere (AVX2: fp32) compiled, as last measured there (round 5's
+# decode steps, 0.80-0.92x eager's at 1-16 rows; not measured since the C++ small ops).
+SERVER_MODE_FAST_BF16 = 0
+SERVER_MODE_OTHER_CPUS = COMPILE_MODE
 # Decoder layers per compiled graph: the graph's call costs ~60-100 us of Python a step
 # (Dynamo, AOTAutograd and Inductor's wrappers), its compilation grows with its layers.
 LAYERS_PER_GRAPH = 10
@@ -88,7 +95,7 @@ def _why_no_compiler() -> str | None:
 
 def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:
     """The compilation_config a server's engine gets: the one given (or eager with enforce_eager),
-    else DEFAULT_CPU_SERVER_MODE where the engine can run it (on the CPU, one rank, no experts: read
+    else mode 3 where server_default_mode() asks for it and the engine can run it (on the CPU, one rank, no experts: read
     from the model's config before the engine loads it; a C++ compiler for Inductor), else None
     (the engine's own default)."""
     if engine_kwargs.get("compilation_config") is not None or engine_kwargs.get("enforce_eager"):
@@ -98,9 +105,16 @@ def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | Non
     device = resolve_device(engine_kwargs.get("device", "auto"))
     source = ModelSource.resolve(resolve_model(model), engine_kwargs.get("load_format", "auto"))
     has_experts = source.model_config().num_experts > 0
+    if server_default_mode() != COMPILE_MODE:
+        return None  # the engine's own default (eager)
     if _why_not(device, engine_kwargs.get("tensor_parallel_size", 1), has_experts) is None and not _why_no_compiler():
-        return DEFAULT_CPU_SERVER_MODE
+        return COMPILE_MODE
     return None
+
+
+def server_default_mode() -> int:
+    """The compilation mode a CPU server's engine gets when none is given, by the CPU's kind."""
+    return SERVER_MODE_FAST_BF16 if cpu_has_fast_bf16() else SERVER_MODE_OTHER_CPUS
 
 
 class CompiledForward:

@@ -12,6 +12,8 @@
 // row once (weighted sum). A sequence with one partition writes its output directly; with
 // several (few long sequences: the caller splits them so that every thread gets work), each
 // partition leaves its (max, sum, unnormalised output) and a second loop merges them.
+// bf16 on AVX512-BF16 has rows of its own (bf16_rows below: each row converted once for the
+// group, `vdpbf16ps` for the scores); outputs are rounded in registers (store_scaled).
 #include <Python.h>  // (first, as Python asks): only to let other Python threads run meanwhile
 
 #include <ATen/cpu/vec/functional.h>
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 using T = ELEMENT_TYPE;
@@ -68,12 +71,16 @@ struct Problem {
   int64_t group() const { return num_heads / kv_heads; }
 };
 
-// Asks the CPU to bring `rows` rows of D elements, `stride` elements apart, into its caches.
+// Asks the CPU to bring `rows` rows of D elements, `stride` elements apart, into its L2 cache.
+// Into L2 (`prefetcht1`), not L1 (`prefetcht0`): two blocks ahead are 64 lines in flight, more
+// than L1's miss buffers hold; B2-like decode, 30 layers cold, two threads, bf16: 10.3-10.6 ms
+// against 13.1-13.3 (benchmarks/RESULTS.md "B2 CPU, round 15").
+constexpr int kPrefetchLocality = 2;  // __builtin_prefetch's: 3 L1 (t0), 2 L2 (t1), 1 L3 (t2)
 inline void prefetch_rows(const T* first, int64_t rows, int64_t stride) {
   constexpr int64_t kLine = 64, kBytes = D * sizeof(T);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < kBytes; b += kLine)
-      __builtin_prefetch(reinterpret_cast<const char*>(first + r * stride) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(first + r * stride) + b, 0, kPrefetchLocality);
 }
 
 // Calls f(first row, n rows, key position of the first row) for the runs of consecutive cache
@@ -141,16 +148,31 @@ void task_scores(const Problem& p, int64_t seq, int64_t head, int64_t start, int
   });
 }
 
-// In place: scores of one query head -> exp(score - max); returns (max, sum of the exps).
+// In place: scores of one query head -> exp(score - max); returns (max, sum of the exps). The
+// maximum by vectors (any order gives the same); the last n % W scores by one more vector where
+// VectorTail (bf16 rows: another exp and summation order than std::exp's one by one), else one by
+// one as the generic rows always did.
+template <bool VectorTail>
 std::pair<float, float> exp_in_place(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-  Vec sum(0.f), vm(m);
+  Vec vmax(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
+  for (; i + W <= n; i += W) vmax = at::vec::maximum(vmax, Vec::loadu(s + i));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  Vec sum(0.f), vm(m);
+  for (i = 0; i + W <= n; i += W) {
     Vec x = (Vec::loadu(s + i) - vm).exp();
     x.store(s + i);
     sum = sum + x;
+  }
+  if constexpr (VectorTail) {
+    if (i < n) {
+      const int rest = static_cast<int>(n - i);
+      const Vec x = Vec::set(Vec(0.f), (Vec::loadu(s + i, rest) - vm).exp(), rest);
+      x.store(s + i, rest);
+      sum = sum + x;
+    }
+    return {m, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum)};
   }
   float total = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
   for (; i < n; ++i) {
@@ -180,7 +202,144 @@ void task_values(const Problem& p, int64_t seq, int64_t head, int64_t start, int
   });
 }
 
-// One (sequence, KV head, partition) task; scratch: this thread's floats, group * (part_len + 2d + 2).
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 rows on AVX512-BF16 (the kind the engine runs bf16 on). Most of the generic path's time
+// went to converting each row to fp32 once for every query head of the group; here a row is read
+// and converted once for all of them:
+// - scores: `vdpbf16ps` multiplies the bf16 query and key pairs exactly and sums them in fp32 (in
+//   another order than the generic path's fmadd: the scores differ from its at fp32 rounding);
+// - values: a row's bf16 pairs as fp32 by a shift (even elements) and a mask (odd ones), then the
+//   generic path's fmadd per element in the same order (its bits); the sums kept de-interleaved.
+constexpr bool kBf16Rows = std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+namespace bf16_rows {
+constexpr int64_t R = D / 32;     // 512-bit registers a row of bf16 fills
+constexpr int64_t kMaxHeads = 4;  // query heads whose sums stay in registers together
+
+// (the code below is compiled for every T, and runs only where T is at::BFloat16)
+inline const at::BFloat16* as_bf16(const T* p) { return reinterpret_cast<const at::BFloat16*>(p); }
+inline __m512bh load_pairs(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512 even_floats(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+inline __m512 odd_floats(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// s[g * n + r] = q_g . k_r for the rows of one run, NG query heads q [NG, D] (bf16, unscaled).
+template <int NG>
+void scores_run(const at::BFloat16* q, const at::BFloat16* k, int64_t rows, int64_t stride, float* s, int64_t n) {
+  __m512bh qv[NG][R];
+  for (int g = 0; g < NG; ++g)
+    for (int64_t c = 0; c < R; ++c) qv[g][c] = load_pairs(q + g * D + c * 32);
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {  // four rows' sums per head, one reduction
+    __m512 acc[NG][4];
+    for (int j = 0; j < 4; ++j) {
+      __m512bh kv[R];
+      for (int64_t c = 0; c < R; ++c) kv[c] = load_pairs(k + (r + j) * stride + c * 32);
+      for (int g = 0; g < NG; ++g) {
+        acc[g][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < R; ++c) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv[g][c], kv[c]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], s + g * n + r);
+  }
+  for (; r < rows; ++r)
+    for (int g = 0; g < NG; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < R; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], load_pairs(k + r * stride + c * 32));
+      s[g * n + r] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+// acc[g] (de-interleaved: register j of 2R holds the even (j even) or odd elements of 32 of the
+// row's) += sum_r w[g * n + r] * v_r over the rows of one run, NG query heads.
+template <int NG>
+void values_run(const float* w, int64_t n, const at::BFloat16* v, int64_t rows, int64_t stride, float* acc) {
+  __m512 a[NG][2 * R];
+  for (int g = 0; g < NG; ++g)
+    for (int64_t j = 0; j < 2 * R; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + j * 16);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 x[2 * R];
+    for (int64_t c = 0; c < R; ++c) {
+      const __m512i pairs = _mm512_loadu_si512(v + r * stride + c * 32);
+      x[2 * c] = even_floats(pairs), x[2 * c + 1] = odd_floats(pairs);
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512 wr = _mm512_set1_ps(w[g * n + r]);
+      for (int64_t j = 0; j < 2 * R; ++j) a[g][j] = _mm512_fmadd_ps(wr, x[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int64_t j = 0; j < 2 * R; ++j) _mm512_storeu_ps(acc + g * D + j * 16, a[g][j]);
+}
+
+// f.template operator()<NG>(first head) for the query heads [0, G) in groups of at most kMaxHeads.
+template <typename F>
+inline void for_head_groups(int64_t G, F f) {
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxHeads) {
+    switch (std::min(kMaxHeads, G - g0)) {
+      case 1: f.template operator()<1>(g0); break;
+      case 2: f.template operator()<2>(g0); break;
+      case 3: f.template operator()<3>(g0); break;
+      default: f.template operator()<4>(g0); break;
+    }
+  }
+}
+
+// As task_scores, q the query heads [group, D] in bf16, unscaled (the scale applied to the sums).
+void task_scores(const Problem& p, int64_t seq, int64_t head, int64_t start, int64_t end, const at::BFloat16* q,
+                 float* scores) {
+  const int64_t G = p.group(), n = end - start, stride = p.k_at.row;
+  for_each_run<true>(p, seq, head, start, end, [&](const T* k, int64_t rows, int64_t t0) {
+    for_head_groups(G, [&]<int NG>(int64_t g0) {
+      scores_run<NG>(q + g0 * D, as_bf16(k), rows, stride, scores + g0 * n + (t0 - start), n);
+    });
+  });
+  for (int64_t i = 0; i < G * n; ++i) scores[i] *= p.scale;
+}
+
+// As task_values, acc [group, D] in the elements' order.
+void task_values(const Problem& p, int64_t seq, int64_t head, int64_t start, int64_t end, const float* weights,
+                 float* acc, float* split) {
+  const int64_t G = p.group(), n = end - start, stride = p.v_at.row;
+  std::fill(split, split + G * D, 0.f);
+  for_each_run<false>(p, seq, head, start, end, [&](const T* v, int64_t rows, int64_t t0) {
+    for_head_groups(G, [&]<int NG>(int64_t g0) {
+      values_run<NG>(weights + g0 * n + (t0 - start), n, as_bf16(v), rows, stride, split + g0 * D);
+    });
+  });
+  // lanes 0-15 of (even, odd) -> elements 0-15 of the 32 (e0 o0 e1 o1 ...), then 16-31
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < R; ++c) {
+      const __m512 even = _mm512_loadu_ps(split + g * D + 2 * c * 16);
+      const __m512 odd = _mm512_loadu_ps(split + g * D + (2 * c + 1) * 16);
+      _mm512_storeu_ps(acc + g * D + c * 32, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(acc + g * D + c * 32 + 16, _mm512_permutex2var_ps(even, second, odd));
+    }
+}
+}  // namespace bf16_rows
+#else
+constexpr bool kBf16Rows = false;
+#endif
+
+// o[c] = x[c] * norm rounded to T, c < D (rounded to nearest even, as the scalar conversion).
+inline void store_scaled(T* o, const float* x, float norm) {
+  const Vec n(norm);
+  int64_t c = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; c < D; c += W) (Vec::loadu(x + c) * n).store(o + c);
+  } else {
+    for (; c + 2 * W <= D; c += 2 * W) {
+      const Vec a = Vec::loadu(x + c) * n, b = Vec::loadu(x + c + W) * n;
+      if constexpr (std::is_same_v<T, at::BFloat16>) at::vec::convert_float_bfloat16(a, b).store(o + c);
+      else at::vec::convert_float_half(a, b).store(o + c);
+    }
+  }
+  for (; c < D; ++c) o[c] = static_cast<T>(x[c] * norm);
+}
+
+// One (sequence, KV head, partition) task; scratch: this thread's floats, group * (part_len + 3d + 2).
 void run_task(const Problem& p, int64_t task, float* scratch) {
   const int64_t G = p.group(), d = D;
   const int64_t part = task % p.num_parts, head = (task / p.num_parts) % p.kv_heads;
@@ -189,26 +348,32 @@ void run_task(const Problem& p, int64_t task, float* scratch) {
   float* q = scratch;            // [group, d]
   float* acc = q + G * d;        // [group, d]
   float* stats = acc + G * d;    // max [group], then sum [group]
-  float* scores = stats + 2 * G; // [group, end - start]
+  float* split = stats + 2 * G;  // [group, d]: bf16_rows's de-interleaved sums
+  float* scores = split + G * d; // [group, end - start]
   float* partial = p.partials + task * G * (d + 2);  // [group, d], then max [group], sum [group]
   if (start >= end) {  // a partition past this sequence's end: weight 0 in the merge
     for (int64_t g = 0; g < G; ++g) partial[G * d + g] = -std::numeric_limits<float>::infinity();
     return;
   }
   const T* q_in = p.q + (seq * p.num_heads + head * G) * d;
-  for (int64_t i = 0; i < G * d; ++i) q[i] = static_cast<float>(q_in[i]) * p.scale;
-  task_scores(p, seq, head, start, end, q, scores);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (kBf16Rows) bf16_rows::task_scores(p, seq, head, start, end, bf16_rows::as_bf16(q_in), scores);
+#endif
+  if constexpr (!kBf16Rows) {
+    for (int64_t i = 0; i < G * d; ++i) q[i] = static_cast<float>(q_in[i]) * p.scale;
+    task_scores(p, seq, head, start, end, q, scores);
+  }
   for (int64_t g = 0; g < G; ++g) {
-    auto [m, s] = exp_in_place(scores + g * (end - start), end - start);
+    auto [m, s] = exp_in_place<kBf16Rows>(scores + g * (end - start), end - start);
     stats[g] = m, stats[G + g] = s;
   }
-  task_values(p, seq, head, start, end, scores, acc);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (kBf16Rows) bf16_rows::task_values(p, seq, head, start, end, scores, acc, split);
+#endif
+  if constexpr (!kBf16Rows) task_values(p, seq, head, start, end, scores, acc);
   if (p.num_parts == 1) {
     T* o = p.out + (seq * p.num_heads + head * G) * d;
-    for (int64_t g = 0; g < G; ++g) {
-      const float norm = 1.f / stats[G + g];
-      for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(acc[g * d + c] * norm);
-    }
+    for (int64_t g = 0; g < G; ++g) store_scaled(o + g * d, acc + g * d, 1.f / stats[G + g]);
     return;
   }
   std::copy(acc, acc + G * d, partial);
@@ -233,8 +398,7 @@ void merge(const Problem& p, int64_t pair) {
       total += w * partial[G * d + G + g];
       for (int64_t c = 0; c < d; ++c) sum_out[c] += w * partial[g * d + c];
     }
-    const float norm = 1.f / total;
-    for (int64_t c = 0; c < d; ++c) o[g * d + c] = static_cast<T>(sum_out[c] * norm);
+    store_scaled(o + g * d, sum_out.data(), 1.f / total);
   }
 }
 
@@ -256,7 +420,8 @@ extern "C" void kernel(const T* q, const T* k, const T* v, const int32_t* tables
   Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> scratch(p.group() * (part_len + 2 * d + 2));
+    std::vector<float> scratch(p.group() * (part_len + 3 * d + 2));
+    // dynamic: sequences of uneven lengths make tasks of uneven cost
     // dynamic: sequences of uneven lengths make tasks of uneven cost
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) run_task(p, task, scratch.data());

@@ -21,6 +21,15 @@ Inductor. `prepare` builds it at engine start-up; where there is no C++ compiler
 built before), or the build fails, `kernel_for` returns None and the caller keeps its torch-only
 path (no error, nothing printed).
 
+bf16 caches on CPUs with AVX512-BF16 (the engine's bf16 kind) take rows of their own in the
+C++: each K/V row is converted once for the whole group of query heads (the generic rows convert
+it once per head), the scores are `vdpbf16ps` dot products (exact bf16 products summed in fp32,
+in another order than the generic rows: the scores differ at fp32 rounding, and B2's greedy ids
+part from the generic rows' only at near-ties), the values the generic rows' fmadd in the same
+order (their bits). SmolLM2's B2 decode steps (64 rows, two threads): the attention 11.5 against
+13.3 ms a step; one layer's K/V in cache, 5.9 against 8.1 ms for 30 calls (RESULTS.md "B2 CPU,
+round 15"). Elsewhere (fp32, fp16, AVX2) the generic rows run.
+
 fp8 caches stay on the torch-only path: a first version of this kernel that dequantized e4m3
 element by element (c10's exact conversion) ran 4-13x slower than it (RESULTS.md "B2 CPU,
 round 12").
@@ -46,7 +55,8 @@ TASKS_PER_THREAD = 4
 MIN_PARTITION_KEYS = 256
 # Blocks ahead of the one being read whose rows the kernel prefetches (a sequence's blocks lie
 # anywhere): cold, 30 layers in turn, two threads, bf16, 16 / 64 rows: 0 blocks 372 / 1,167 us a
-# layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12").
+# layer, 1 block 307 / 1,059, 2 blocks 297 / 1,008 (RESULTS.md "B2 CPU, round 12"); prefetched
+# into L2 since round 15 (its B2-like 64 rows: 1 and 2 blocks alike, 3 and 4 slower).
 PREFETCH_BLOCKS = 2
 # the C++ entry point's arguments (kernel() in cpu_paged_decode.cpp), {t} the element type
 _ARG_TYPES = (["const {t}*"] * 3 + ["const int32_t*"] * 2 + ["{t}*", "float*"] + ["long"] * 14

@@ -263,7 +263,7 @@ def main(args: argparse.Namespace) -> None:
         multiprocess = args.multiprocess_mode
         if multiprocess is None:
             multiprocess = default_multiprocess_mode(kwargs.get("device", "auto"))
-        kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: compiled
+        kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: by its kind
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **kwargs)
         chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
