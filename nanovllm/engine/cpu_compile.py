@@ -95,9 +95,9 @@ def _why_no_compiler() -> str | None:
 
 def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | None:
     """The compilation_config a server's engine gets: the one given (or eager with enforce_eager),
-    else mode 3 where server_default_mode() asks for it and the engine can run it (on the CPU, one rank, no experts: read
-    from the model's config before the engine loads it; a C++ compiler for Inductor), else None
-    (the engine's own default)."""
+    else COMPILE_MODE where server_default_mode() asks for it and the engine can run it (on the
+    CPU, one rank, no experts: read from the model's config before the engine loads it; a C++
+    compiler for Inductor), else None (the engine's own default)."""
     if engine_kwargs.get("compilation_config") is not None or engine_kwargs.get("enforce_eager"):
         return engine_kwargs.get("compilation_config")
     from nanovllm.engine.model_source import ModelSource, resolve_model
