@@ -34,22 +34,8 @@ constexpr int64_t PREFETCH_AHEAD = PREFETCH_BLOCKS;
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();  // floats a vector holds
+#include "cpu_vec_floats.h"  // Vec, W, load_floats
 static_assert(D % W == 0, "head_dim must be a multiple of the vector width");
-
-// W elements at p, as floats.
-inline Vec load_floats(const float* p) { return Vec::loadu(p); }
-inline Vec load_floats(const at::BFloat16* p) {
-  Vec out;
-  at::vec::load_to_float<at::BFloat16>(p, out);
-  return out;
-}
-inline Vec load_floats(const at::Half* p) {
-  Vec out;
-  at::vec::load_to_float<at::Half>(p, out);
-  return out;
-}
 
 // Where the cache keeps element (block, row, kv_head, 0): strides in elements.
 struct CacheLayout {

@@ -91,7 +91,7 @@ def _build(dtype: torch.dtype, head_dim: int):
 def source_for(dtype: torch.dtype, head_dim: int) -> str:
     """cpu_paged_decode.cpp with the macros it is built with."""
     macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "HEAD_DIM": head_dim, "PREFETCH_BLOCKS": PREFETCH_BLOCKS}
-    return "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
+    return cpp_compiler.source(SOURCE, macros)
 
 
 def arg_types(dtype: torch.dtype) -> list[str]:

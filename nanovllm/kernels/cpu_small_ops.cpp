@@ -31,20 +31,7 @@ using T = ELEMENT_TYPE;
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();  // floats a vector holds
-
-inline Vec load_floats(const float* p) { return Vec::loadu(p); }
-inline Vec load_floats(const at::BFloat16* p) {
-  Vec out;
-  at::vec::load_to_float<at::BFloat16>(p, out);
-  return out;
-}
-inline Vec load_floats(const at::Half* p) {
-  Vec out;
-  at::vec::load_to_float<at::Half>(p, out);
-  return out;
-}
+#include "cpu_vec_floats.h"  // Vec, W, load_floats
 
 // Elements are handled in pairs of vectors (2W: one vector of 16-bit elements), rounded in registers.
 constexpr int64_t P = 2 * W;

@@ -53,7 +53,7 @@ HEAD_DIM_MULTIPLE = 64
 def _source(op: str, dtype: torch.dtype, head_dim: int) -> str:
     macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "OP": OPS[op], "HEAD_DIM": head_dim,
               "PARALLEL_MIN_ELEMENTS": PARALLEL_MIN_ELEMENTS}
-    return "".join(f"#define {name} {value}\n" for name, value in macros.items()) + SOURCE.read_text()
+    return cpp_compiler.source(SOURCE, macros)
 
 
 @functools.cache

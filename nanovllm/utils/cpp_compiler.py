@@ -1,10 +1,11 @@
 """C++ code built at run time: whether a compiler is here, and building a source once per machine.
 
-Two users: the compiled CPU forward (engine/cpu_compile.py, Inductor's own code) and the paged
-decode attention kernel (kernels/cpu_paged_decode.py), whose source `build` compiles through
+Its users: the compiled CPU forward (engine/cpu_compile.py, Inductor's own code) and the C++
+kernels of kernels/ (cpu_paged_decode.py, cpu_small_ops.py), whose sources `source` assembles (the
+build's macros, the file, the headers it includes from beside it) and `build` compiles through
 Inductor's C++ code cache (`CppPythonBindingsCodeCache`: the compiler torch.compile finds, no
-ninja, OpenMP, the CPU's vector ISA, `-march=native`). Without a compiler both keep their
-torch-only paths.
+ninja, OpenMP, the CPU's vector ISA, `-march=native`). Without a compiler each keeps its
+torch-only path.
 
 Asking Inductor costs ~3.4 s in every process even when its disk cache holds the library: importing
 `torch._inductor.codecache` (~1.9 s) and its vector-ISA probe (~1.5 s of small builds loaded in
@@ -20,6 +21,7 @@ import importlib.util
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -28,6 +30,9 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+
+# A kernel source's include of a header kept beside it (cpu_vec_floats.h), on a line of its own
+LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)".*$', re.M)
 
 
 @functools.cache
@@ -61,6 +66,14 @@ def build(source: str, arg_types: list[str]):
         return None
     _keep(fn, library)
     return fn
+
+
+def source(path: Path, macros: dict[str, object]) -> str:
+    """The C++ source that `build` compiles from the file at `path`: `#define NAME value` for each of
+    `macros`, then the file, with each `#include "NAME"` line replaced by the text of that file beside
+    it (Inductor compiles the text in a directory of its own, and the library's hash must cover it)."""
+    defines = "".join(f"#define {name} {value}\n" for name, value in macros.items())
+    return defines + LOCAL_INCLUDE.sub(lambda m: (path.parent / m.group(1)).read_text(), path.read_text())
 
 
 def library_dir() -> Path:
