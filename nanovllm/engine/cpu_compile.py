@@ -100,13 +100,13 @@ def server_compilation_mode(model: str | None, engine_kwargs: dict) -> int | Non
     compiler for Inductor), else None (the engine's own default)."""
     if engine_kwargs.get("compilation_config") is not None or engine_kwargs.get("enforce_eager"):
         return engine_kwargs.get("compilation_config")
+    if server_default_mode() != COMPILE_MODE:
+        return None  # the engine's own default (eager)
     from nanovllm.engine.model_source import ModelSource, resolve_model
     from nanovllm.utils.device import resolve_device
     device = resolve_device(engine_kwargs.get("device", "auto"))
     source = ModelSource.resolve(resolve_model(model), engine_kwargs.get("load_format", "auto"))
     has_experts = source.model_config().num_experts > 0
-    if server_default_mode() != COMPILE_MODE:
-        return None  # the engine's own default (eager)
     if _why_not(device, engine_kwargs.get("tensor_parallel_size", 1), has_experts) is None and not _why_no_compiler():
         return COMPILE_MODE
     return None
