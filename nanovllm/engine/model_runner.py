@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine import cpu_decode_layers
 from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_compilation_mode
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
@@ -47,6 +48,7 @@ class ModelRunner:
         (nanovllm/distributed) has already joined this process to the process group."""
         self.config = config
         self.compiled_forward = None
+        self.cpu_decode_layers = None
         self.rank, self.tp_size = rank, config.tensor_parallel_size
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -71,6 +73,7 @@ class ModelRunner:
             self.num_kvcache_blocks = self._allocate_kv_cache()
             self.graph_runner = self._capture_cuda_graphs()
             self.compiled_forward = self._compile_forward()
+            self.cpu_decode_layers = self._cpu_decode_layers()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
                 warm_up_kernels(self)
 
@@ -227,6 +230,13 @@ class ModelRunner:
         compiled.warm_up(step)
         return compiled
 
+    def _cpu_decode_layers(self) -> cpu_decode_layers.DecodeLayers | None:
+        """An eager CPU engine's decode steps straight through to their kernels
+        (engine/cpu_decode_layers.py), where every layer takes that path; None elsewhere."""
+        if self.device.type != "cpu" or self.compiled_forward is not None or self.tp_size > 1:
+            return None
+        return cpu_decode_layers.build(self.model, self.dtype, self.kv_cache_dtype)
+
     def shutdown(self) -> None:
         """Drop the CUDA graphs; later steps run eager. nanovllm/distributed calls this on
         every rank before it destroys the process group: graphs that captured NCCL
@@ -272,6 +282,8 @@ class ModelRunner:
             return self.graph_runner.run(input_ids, positions, context)
         if self.compiled_forward is not None:
             return self.compiled_forward(input_ids, positions)
+        if self.cpu_decode_layers is not None:
+            return self.model(input_ids, positions, self.cpu_decode_layers)
         return self.model(input_ids, positions)
 
     @torch.inference_mode()

