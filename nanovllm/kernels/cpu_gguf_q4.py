@@ -114,8 +114,8 @@ def q4_linear(x: torch.Tensor, packed: PackedQ4, isa: str = "native") -> torch.T
     inside torch.compile, no C++) and the caller runs its own product."""
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [rows, {packed.in_features}], got {tuple(x.shape)}")
-    if (x.device.type != "cpu" or x.dtype not in CPP_TYPES or not 1 <= x.shape[0] <= MAX_ROWS
-            or torch.compiler.is_compiling()):
+    # (x.is_cpu, not x.device.type: 0.1 against 0.7 us, of a call that takes ~1.3 us in C++ for 64x64)
+    if not x.is_cpu or x.dtype not in CPP_TYPES or not 1 <= x.shape[0] <= MAX_ROWS or torch.compiler.is_compiling():
         return None
     fn = _build(x.dtype, packed.type_name, isa)
     if fn is None:
