@@ -5,7 +5,8 @@ layers each with its own random GGUF weight, so that they stream from memory as 
 step: benchmarks/bench_cpu_gemm.py's shapes) at M rows, with each kernel:
 
 - q4: cpu_gguf_q4.q4_linear, fp32 x (fp32 out); q4bf: the same with bf16 x (bf16 out)
-- q4pfN: q4 built with software prefetch N bytes ahead of the block being read
+- q4pfN: q4 built with software prefetch N bytes ahead of the block being read (q4pf0: none;
+  q4 itself prefetches cpu_gguf_q4.PREFETCH_BYTES ahead)
 - int4: torch's `_weight_int4pack_mm_for_cpu` on the same GGUF blocks as the engine packs them
   (kernels/cpu_int4.py: bf16 activations, bf16 scales and zeros), bf16 x
 - dnnbf: oneDNN's bf16 `_linear_pointwise` on the dequantized weight packed once (kernels/cpu_gemm.py)
@@ -14,7 +15,8 @@ The kernels alternate within each repeat (a busy machine slows all of them alike
 printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights occupy.
 
     python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 2 4 8 --kinds q4 q4bf int4 dnnbf
-    python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 --kinds q4 q4pf512 q4pf2048 --type Q4_0
+    python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 --kinds q4 q4pf0 q4pf1024 --type Q4_0
+    python benchmarks/bench_cpu_q4.py --rows 1 2 4 8 --repeats 3 --accuracy   (errors against x @ dequant(W)^T)
 
 Prints one line per row count and a final JSON line.
 """
@@ -80,6 +82,21 @@ def _dequantized(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     return dequantize(raw.reshape(-1), type_name, (raw.shape[0], raw.shape[1] // cpu_gguf_q4.GGUF_BLOCK_BYTES[type_name] * 32))
 
 
+def accuracy(kinds: dict, raws: list[torch.Tensor], type_name: str, rows: int, gen: torch.Generator) -> dict:
+    """Per kind, the largest max|y - ref| / max|ref| over the 120 layers, ref = x @ dequant(W)^T in
+    fp32 on the same x values (bf16 kinds: x rounded to bf16 first)."""
+    worst = dict.fromkeys(kinds, 0.0)
+    for layer, (raw, (_, i)) in enumerate(zip(raws, LAYER_SHAPES * NUM_LAYERS)):
+        w = _dequantized(raw, type_name)                           # [out, in]
+        x = torch.randn(rows, i, generator=gen)                    # [rows, in]
+        for kind, (ws, fn, bf16, _) in kinds.items():
+            xk = x.to(torch.bfloat16) if bf16 else x
+            ref = xk.float() @ w.T                                 # [rows, out]
+            err = (fn(xk, ws[layer]).float() - ref).abs().max() / ref.abs().max()
+            worst[kind] = max(worst[kind], float(err))
+    return worst
+
+
 @torch.inference_mode()
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", nargs="+", default=["q4", "q4bf", "int4", "dnnbf"])
     ap.add_argument("--type", default="Q4_1", choices=sorted(cpu_gguf_q4.Q4_TYPES))
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--accuracy", action="store_true", help="also print each kind's largest relative error")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -111,6 +129,11 @@ def main(argv=None) -> None:
         result["gb_s"][rows] = {k: round(kinds[k][3] / v / 1e6, 1) for k, v in ms.items()}
         print(f"{rows:>3} rows  " + "  ".join(f"{k}: {v:6.2f} ms {result['gb_s'][rows][k]:5.1f} GB/s"
                                          for k, v in ms.items()), flush=True)
+        if args.accuracy:
+            errors = accuracy(kinds, raws, args.type, rows, gen)
+            result.setdefault("max_rel_error", {})[rows] = {k: float(f"{v:.2e}") for k, v in errors.items()}
+            print(f"{'':>11}max |y - ref| / max |ref| over the layers: "
+                  + "  ".join(f"{k}: {v:.1e}" for k, v in errors.items()), flush=True)
     result["load_average_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(json.dumps(result))
 

@@ -36,9 +36,12 @@ TILE_ROWS = 32        # output rows of a packed tile (the C++'s ROWS)
 MAX_ROWS = 8          # rows of x the C++ is built for (its MAX_M)
 # ISA choices (Q4_ISA of the C++): the widest the CPU has; AVX2 at most; plain C++ (tests build all)
 ISAS = {"native": 0, "avx2": 2, "plain": 1}
-# Bytes ahead of the block being read that each block prefetches (0: none; the hardware prefetcher
-# sees the sequential stream): measured in benchmarks/RESULTS.md "A 4-bit GGUF kernel for one sequence".
-PREFETCH_BYTES = 0
+# Bytes ahead of the block being read that each block asks for (into L1, one request per 64-byte
+# line): SmolLM2's 120 layers cold, two threads, Q4_1, 1 / 2 / 4 / 8 rows: none 3.96 / 4.98 / 6.75 /
+# 12.05 ms, 1024 bytes 3.56 / 4.44 / 6.40 / 11.08, 4096 bytes 3.50 / 4.35 / 6.27 / 11.10 (the
+# hardware prefetcher alone falls behind; benchmarks/RESULTS.md "A 4-bit GGUF kernel for one
+# sequence (eighteenth session)", benchmarks/bench_cpu_q4.py --kinds q4pf0 q4pf1024 q4pf4096).
+PREFETCH_BYTES = 4096
 _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "long"]  # kernel() in the .cpp
 
 
