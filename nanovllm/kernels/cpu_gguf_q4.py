@@ -37,10 +37,12 @@ MAX_ROWS = 8          # rows of x the C++ is built for (its MAX_M)
 # ISA choices (Q4_ISA of the C++): the widest the CPU has; AVX2 at most; plain C++ (tests build all)
 ISAS = {"native": 0, "avx2": 2, "plain": 1}
 # Bytes ahead of the block being read that each block asks for (into L1, one request per 64-byte
-# line): SmolLM2's 120 layers cold, two threads, Q4_1, 1 / 2 / 4 / 8 rows: none 3.96 / 4.98 / 6.75 /
-# 12.05 ms, 1024 bytes 3.56 / 4.44 / 6.40 / 11.08, 4096 bytes 3.50 / 4.35 / 6.27 / 11.10 (the
-# hardware prefetcher alone falls behind; benchmarks/RESULTS.md "A 4-bit GGUF kernel for one
-# sequence (eighteenth session)", benchmarks/bench_cpu_q4.py --kinds q4pf0 q4pf1024 q4pf4096).
+# line). SmolLM2's 120 layers cold, two threads, Q4_1, 1 / 2 / 4 / 8 rows, ms, on the shared 2-core
+# VM (benchmarks/bench_cpu_q4.py; benchmarks/RESULTS.md "A 4-bit GGUF kernel for one sequence
+# (eighteenth session)"): one run none 3.96 / 4.98 / 6.75 / 12.05, 1024 bytes 3.56 / 4.44 / 6.40 /
+# 11.08, 4096 3.50 / 4.35 / 6.27 / 11.10; two later runs none 3.74 / 4.98 / 8.14 / 13.67 and
+# 4.43 / 6.28 / 9.05 / 14.31, 4096 4.09 / 5.04 / 7.64 / 12.93 and 4.88 / 6.05 / 8.88 / 13.75: a
+# gain of 5-10% from 2 rows up, within the noise at one row.
 PREFETCH_BYTES = 4096
 _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "long"]  # kernel() in the .cpp
 
