@@ -118,8 +118,8 @@ inline void load_f16(const uint8_t* p, V* out) {
 #endif
 
 // Independent sums per (row of x, vector) over a block's k: a sum takes every SPLIT-th k, so that
-// with few rows of x there are enough FMA chains to hide their latency (4 cycles each, on the
-// 2-core AVX512 VM: benchmarks/RESULTS.md "A 4-bit GGUF kernel for one sequence").
+// with one or two rows of x there are 8 FMA chains in flight, not 2 or 4 (a choice from FMA's
+// latency of several cycles, not measured against other splits).
 template <int M>
 constexpr int split() { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
