@@ -1,10 +1,11 @@
-"""GGUF weights kept quantized on the CPU (layers/quantization/gguf.py, kernels/cpu_int4.py).
+"""GGUF weights kept quantized on the CPU (layers/quantization/gguf.py, kernels/cpu_int4.py,
+kernels/cpu_gguf_q4.py).
 
 - Each 4-bit GGUF type's int4 form (q, scale, zero) gives back `gguf.quants.dequantize`'s
   values to fp32 rounding, and the int4 kernel's product equals the dequantized product: to
   fp32 rounding with fp32 activations, within its measured bf16 error with bf16 ones.
-- Loading the embedded SmolLM2 (Q4_1) packs every linear layer and keeps no dense fp32 copy
-  beside the int4 and oneDNN-packed ones; its greedy ids equal the
+- Loading the embedded SmolLM2 (Q4_1) packs every linear layer (for the Q4 kernel or the int4 one,
+  by CPU kind) and keeps no dense fp32 copy beside that and the oneDNN-packed one; its greedy ids equal the
   dequantized path's, or part only at a near-tie (each side's token in the other's top-5);
   it still answers Paris.
 - Options: dtype="float32" and quantization="gguf_dequant" load dense; an unknown name fails.
@@ -91,8 +92,10 @@ def engines():
 
 
 def _packed(llm) -> int:
+    """Linear layers with a quantized form: the Q4 kernel's pack (kernels/cpu_gguf_q4.py) or the int4 one."""
     model = llm.llm_engine.model_runner.model
-    return sum(getattr(getattr(m, "quant_method", None), "packed", None) is not None for m in model.modules())
+    return sum(getattr(getattr(m, "quant_method", None), "packed", None) is not None
+               or getattr(getattr(m, "quant_method", None), "q4", None) is not None for m in model.modules())
 
 
 def _chat(llm, question: str) -> list[int]:
@@ -104,6 +107,32 @@ def test_embedded_model_layers_are_packed(engines):
     quantized, dequantized = engines
     assert _packed(quantized) == 30 * 4  # qkv, o, gate_up, down in each of 30 layers
     assert _packed(dequantized) == 0
+
+
+def test_q4_kernel_runs_its_rows_and_matches_the_dequantized_layer(engines, monkeypatch):
+    """Where the CPU kind runs the C++ Q4 kernel (gguf.MAX_Q4_ROWS), a layer's product at up to that
+    many rows is the kernel's (the fp32 product of the file's values, rounded once to the engine's
+    dtype), close to the dequantized engine's same layer; past them the layer runs without it."""
+    from nanovllm.kernels import cpu_gguf_q4
+    from nanovllm.layers.quantization import gguf as gguf_method
+    quantized, dequantized = engines
+    max_rows = quantized.llm_engine.model_runner.model.model.layers[0].mlp.down_proj.quant_method.max_q4_rows
+    if max_rows == 0 or not cpu_gguf_q4.prepare(torch.bfloat16, "Q4_1"):
+        pytest.skip("the int4 kernel serves this CPU kind (or no C++ compiler)")
+    ours = quantized.llm_engine.model_runner.model.model.layers[3].mlp.down_proj
+    ref = dequantized.llm_engine.model_runner.model.model.layers[3].mlp.down_proj
+    calls = []
+    kernel = cpu_gguf_q4.q4_linear
+    monkeypatch.setattr(gguf_method.cpu_gguf_q4, "q4_linear", lambda *a: calls.append(1) or kernel(*a))
+    gen = torch.Generator().manual_seed(0)
+    dtype = quantized.llm_engine.model_runner.dtype
+    for rows in (1, max_rows):
+        x = torch.randn(rows, ours.input_size, generator=gen).to(dtype)
+        y, y_ref = ours(x).float(), ref(x).float()
+        assert ((y - y_ref).norm(dim=1) / y_ref.norm(dim=1)).max() < BF16_PRODUCT_RTOL
+    assert len(calls) == 2
+    ours(torch.randn(max_rows + 1, ours.input_size, generator=gen).to(dtype))
+    assert len(calls) == 2  # a larger batch ran the dense product
 
 
 def test_int4_layers_keep_no_dense_weight(engines):

@@ -1,18 +1,20 @@
-"""GGUF weights on the CPU: 4-bit blocks kept quantized for torch's int4 kernel.
+"""GGUF weights on the CPU: 4-bit blocks kept quantized for our Q4 kernel or torch's int4 kernel.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
 checkpoint tensor it was loaded from, with where each checkpoint row went (packed q/k/v
-and gate/up rows, this rank's shard). After loading, a layer whose rows are all Q4_0, Q4_1
-or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py) when it runs
-on the CPU; everything else (Q8_0, Q5_K, Q6_K, F16, F32 tensors, layers of mixed types,
-shapes the kernel cannot take, the GPU) stays on the dense path, dequantized. The token
+and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
+Q4_0 or all Q4_1 is repacked for our C++ kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on the
+file's exact values) where it was measured faster (MAX_Q4_ROWS), and a layer whose rows are all
+Q4_0, Q4_1 or Q4_K otherwise for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py);
+everything else (Q8_0, Q5_K, Q6_K, F16, F32 tensors, layers of mixed types, shapes the kernels
+cannot take, the GPU) stays on the dense path, dequantized. The token
 embedding and the tied LM head are not linear layers: they stay dense (dequantized Q8_0).
 
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
 is used when the engine's dtype is "auto" or "bfloat16"; `dtype="float32"` asks for fp32
 products and gets every weight dequantized (exact), as does `quantization="gguf_dequant"`.
-Batches of more than `max_int4_rows` tokens (prefill, large decode batches) run the dense
+Batches of more than `max_int4_rows` (`max_q4_rows`) tokens (prefill, large decode batches) run the dense
 product (oneDNN's packed copy of the dequantized weight: kernels/cpu_gemm.py), which is
 faster there (the crossover is measured per CPU kind: MAX_INT4_ROWS).
 """
@@ -21,7 +23,7 @@ import functools
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_int4
+from nanovllm.kernels import cpu_gguf_q4, cpu_int4
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                                set_shard_tags)
@@ -37,6 +39,12 @@ from nanovllm.utils.device import cpu_kind
 # against 16.6 at 4, 20.6 against 16.1 at 6, 24.8 / 22.5 against 26.1 / 19.8 at 8, 46.8 against
 # 31.1 at 16.
 MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
+# Token counts up to which a layer of Q4_0 or Q4_1 rows runs the C++ Q4 kernel instead (and keeps no
+# int4 pack), per CPU kind. On AVX512-BF16 (benchmarks/bench_cpu_q4.py, SmolLM2-135M's 120 layers
+# cold, two threads; RESULTS.md "A 4-bit GGUF kernel for one sequence (eighteenth session)") it took
+# 0.82-0.87x the int4 kernel's time at 1 row, 0.88-0.90x at 2, 1.01x at 4 and 0.90-0.93x at 8, so it
+# serves every row count the int4 kernel did there. AVX2: not measured, so the int4 kernel stays.
+MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -47,6 +55,7 @@ class GGUFConfig(QuantizationConfig):
     def __init__(self):
         self.packed = True
         self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
+        self.max_q4_rows = MAX_Q4_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
@@ -82,10 +91,13 @@ class GGUFDequantConfig(QuantizationConfig):
 
 
 class GGUFLinearMethod(UnquantizedLinearMethod):
-    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the int4 pack."""
+    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the Q4 kernel's
+    pack or the int4 pack."""
 
     def __init__(self, config: GGUFConfig):
         self.max_int4_rows = config.max_int4_rows
+        self.max_q4_rows = config.max_q4_rows
+        self.q4: cpu_gguf_q4.PackedQ4 | None = None
         self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
         self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -114,13 +126,31 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         source = self.row_source.data
         types = {t for t, _ in self.parts}
-        packable = (self.max_int4_rows > 0 and layer.weight.device.type == "cpu" and bool(self.parts)
-                    and bool((source >= 0).all()) and types <= set(cpu_int4.INT4_GGUF_TYPES)
-                    and cpu_int4.can_pack(*layer.weight.shape))
+        on_cpu = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
+        if on_cpu and self.max_q4_rows > 0 and len(types) == 1:
+            self.q4 = self._pack_q4(layer, source.long(), next(iter(types)))
+        packable = (self.q4 is None and self.max_int4_rows > 0 and on_cpu
+                    and types <= set(cpu_int4.INT4_GGUF_TYPES) and cpu_int4.can_pack(*layer.weight.shape))
         if packable:
             q, scale, zero = self._gather(layer, source.long())
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
+
+    def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str) -> "cpu_gguf_q4.PackedQ4 | None":
+        """This layer's rows (and this rank's columns) of the raw blocks in the Q4 kernel's layout;
+        None where the kernel does not take them (another type, no C++ compiler)."""
+        block_bytes = cpu_gguf_q4.GGUF_BLOCK_BYTES.get(type_name)
+        raws = [raw for _, raw in self.parts]
+        if block_bytes is None or len({raw.shape[1] for raw in raws}) != 1:
+            return None
+        offsets = torch.tensor([0] + [raw.shape[0] for raw in raws]).cumsum(0)
+        rows = torch.cat(raws)[offsets[source[:, 0]] + source[:, 1]]     # [out, ckpt blocks * block bytes]
+        in_features, block = layer.weight.shape[1], cpu_gguf_q4.BLOCK
+        ckpt_in = rows.shape[1] // block_bytes * block
+        start = 0 if ckpt_in == in_features else layer.tp_rank * in_features  # row-parallel shard
+        assert start % block == 0 and in_features % block == 0, "a row-parallel shard splits a GGUF block"
+        rows = rows[:, start // block * block_bytes:(start + in_features) // block * block_bytes]
+        return cpu_gguf_q4.pack(rows.contiguous(), type_name)
 
     def _gather(self, layer: nn.Module, source: torch.Tensor):
         """q, scale, zero of this layer's rows (and this rank's columns) from the raw parts."""
@@ -137,10 +167,16 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     @property
     def own_kernel_max_rows(self) -> int:
+        if self.q4 is not None:
+            return self.max_q4_rows
         return 0 if self.packed is None else self.max_int4_rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is None or x.shape[0] > self.max_int4_rows:
+        y = None
+        if self.q4 is not None and x.shape[0] <= self.max_q4_rows:
+            y = cpu_gguf_q4.q4_linear(x, self.q4)  # [num_tokens, out]; None: a dtype it does not take
+        elif self.packed is not None and x.shape[0] <= self.max_int4_rows:
+            y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
+        if y is None:
             return super().apply(layer, x, bias)
-        y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         return y if bias is None else y + bias
