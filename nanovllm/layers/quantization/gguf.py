@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_int4
+from nanovllm.kernels import cpu_int4, cpu_q8_0
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                                set_shard_tags)
@@ -37,6 +37,15 @@ from nanovllm.utils.device import cpu_kind
 # against 16.6 at 4, 20.6 against 16.1 at 6, 24.8 / 22.5 against 26.1 / 19.8 at 8, 46.8 against
 # 31.1 at 16.
 MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
+# Token counts up to which the Q8_0 kernel (kernels/cpu_q8_0.py) beats the dense product, per CPU
+# kind. AVX512-BF16: against oneDNN's packed bf16 product, two threads (benchmarks/RESULTS.md "Q8_0
+# kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
+# row, 0.056 / 0.089 at 2, 0.105 / 0.104 at 4, 0.149 / 0.140 at 8; 576x1536 0.072 / 0.123 at 1,
+# 0.098 / 0.138 at 2, 0.137 / 0.126 at 4. The LM head 49152x576: 1.45 / 2.95 ms at 1, 1.80 / 3.07
+# at 2, 2.32 / 2.90 at 4, 4.41 / 3.14 at 8. AVX2 is not measured: one row only there, where the
+# product is bound by the bytes it reads (1.125 a weight against the fp32 weight's 4).
+MAX_Q8_0_ROWS = {"avx2": 1, "avx512_bf16": 2}
+MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -47,6 +56,8 @@ class GGUFConfig(QuantizationConfig):
     def __init__(self):
         self.packed = True
         self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
+        self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
+        self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
@@ -60,6 +71,21 @@ class GGUFConfig(QuantizationConfig):
 
     def get_moe_method(self, layer: nn.Module):
         return None  # experts load dequantized (layers/fused_moe.py's dense method)
+
+    def keeps_q8_0_embedding(self) -> bool:
+        return self.packed and self.max_q8_0_head_rows > 0
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """The LM head runs its batches of up to `max_q8_0_head_rows` rows by its Q8_0 blocks
+        (a tied head: the token embedding's, layers/embed_head.py)."""
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or not self.keeps_q8_0_embedding():
+            return
+        if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
+            head.q8_weight = getattr(embed, "q8_weight", None)
+        if getattr(head, "q8_weight", None) is not None:
+            head.q8_max_rows = self.max_q8_0_head_rows
 
 
 @register_quantization("gguf_dequant")
@@ -82,13 +108,16 @@ class GGUFDequantConfig(QuantizationConfig):
 
 
 class GGUFLinearMethod(UnquantizedLinearMethod):
-    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the int4 pack."""
+    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the int4 pack, and
+    where every row is Q8_0, the Q8_0 blocks in the kernel's layout."""
 
     def __init__(self, config: GGUFConfig):
         self.max_int4_rows = config.max_int4_rows
+        self.max_q8_0_rows = config.max_q8_0_rows
         self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
         self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.q8: cpu_q8_0.Q8Weight | None = None
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -114,33 +143,43 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         source = self.row_source.data
         types = {t for t, _ in self.parts}
-        packable = (self.max_int4_rows > 0 and layer.weight.device.type == "cpu" and bool(self.parts)
-                    and bool((source >= 0).all()) and types <= set(cpu_int4.INT4_GGUF_TYPES)
-                    and cpu_int4.can_pack(*layer.weight.shape))
-        if packable:
-            q, scale, zero = self._gather(layer, source.long())
+        loaded = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
+        if (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
+                and cpu_int4.can_pack(*layer.weight.shape)):
+            q, scale, zero = self._gather(layer, source.long(), self._int4_parts(), cpu_int4.GROUP_SIZE)
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
+        elif (loaded and self.max_q8_0_rows > 0 and types == {"Q8_0"} and layer.weight.shape[1] % cpu_q8_0.BLOCK == 0
+              and cpu_q8_0.built(layer.weight.dtype)):
+            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf_blocks(raw) for _, raw in self.parts)]
+            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, cpu_q8_0.BLOCK))
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
 
-    def _gather(self, layer: nn.Module, source: torch.Tensor):
-        """q, scale, zero of this layer's rows (and this rank's columns) from the raw parts."""
-        affine = [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
-        offsets = torch.tensor([0] + [a[0].shape[0] for a in affine]).cumsum(0)
-        index = offsets[source[:, 0]] + source[:, 1]                  # [out]
-        q, scale, zero = (torch.cat(x)[index] for x in zip(*affine))  # [out, ckpt_in], [out, ckpt_in/32]
+    def _int4_parts(self) -> list[tuple[torch.Tensor, ...]]:
+        return [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
+
+    def _gather(self, layer: nn.Module, source: torch.Tensor, parts: list[tuple[torch.Tensor, ...]], group: int):
+        """Each of the parts' tensors ([ckpt_rows, ckpt_in] values, then [ckpt_rows, ckpt_in / group]
+        scales) at this layer's rows (and this rank's columns)."""
+        offsets = torch.tensor([0] + [p[0].shape[0] for p in parts]).cumsum(0)
+        index = offsets[source[:, 0]] + source[:, 1]                    # [out]
+        gathered = [torch.cat(x)[index] for x in zip(*parts)]           # [out, ckpt_in], [out, ckpt_in / group]
         in_features = layer.weight.shape[1]
-        start = 0 if q.shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
-        group = cpu_int4.GROUP_SIZE
-        assert start % group == 0, "a row-parallel shard splits a 4-bit group"
-        return (q[:, start:start + in_features], scale[:, start // group:(start + in_features) // group],
-                zero[:, start // group:(start + in_features) // group])
+        start = 0 if gathered[0].shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
+        assert start % group == 0, "a row-parallel shard splits a quantization block"
+        cols = [slice(start, start + in_features)] + [slice(start // group, (start + in_features) // group)] * 2
+        return tuple(t[:, c] for t, c in zip(gathered, cols))
 
     @property
     def own_kernel_max_rows(self) -> int:
+        if self.q8 is not None:
+            return self.max_q8_0_rows
         return 0 if self.packed is None else self.max_int4_rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is None or x.shape[0] > self.max_int4_rows:
+        if self.q8 is not None and x.shape[0] <= self.max_q8_0_rows:
+            y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
+        elif self.packed is not None and x.shape[0] <= self.max_int4_rows:
+            y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
+        else:
             return super().apply(layer, x, bias)
-        y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         return y if bias is None else y + bias
