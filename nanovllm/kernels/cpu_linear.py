@@ -33,7 +33,8 @@ batches from some row count run an int8 copy (`int8_weight`, kernels/cpu_int8_dy
 gets no packed copy where no batch would read it, and drops its dense weight where the
 method's own kernel takes every batch below that count (the LM head keeps its weight: a
 tied one is the token embedding's, unless that embedding reads its rows from Q8_0 blocks,
-`q8_weight` of layers/embed_head.py: then nothing reads the dense weight and both drop it).
+`q8_weight` of layers/embed_head.py: then nothing reads the dense weight and both drop it; an
+untied embedding that reads Q8_0 blocks drops its dense weight too).
 """
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ def use_column_major_weights(model: nn.Module) -> None:
         if id(module.weight) not in done:
             done.add(id(module.weight))
             module.weight.data = _column_major(module.weight.data)
+    _drop_untied_embedding_weights(model)
 
 
 def _drop_head_weight(model: nn.Module, head: ParallelLMHead) -> None:
@@ -79,6 +81,16 @@ def _drop_head_weight(model: nn.Module, head: ParallelLMHead) -> None:
                and m.weight is head.weight]
     if all(m.q8_weight is not None for m in sharing):
         for m in [head, *sharing]:
+            m.weight = None
+
+
+def _drop_untied_embedding_weights(model: nn.Module) -> None:
+    """An embedding that reads its rows from Q8_0 blocks and shares its weight with no LM head
+    that reads it has no use for its dense weight: dropped."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.weight is not None]
+    for m in model.modules():
+        if (type(m) is VocabParallelEmbedding and m.q8_weight is not None and m.weight is not None
+                and not any(h.weight is m.weight for h in heads)):
             m.weight = None
 
 
