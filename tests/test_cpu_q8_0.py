@@ -176,3 +176,13 @@ def test_float32_and_gguf_dequant_keep_dense_weights(q8_gguf, options):
     assert model.model.embed_tokens.q8_weight is None and model.lm_head.q8_weight is None
     assert all(getattr(m.quant_method, "q8", None) is None for m in model.modules() if isinstance(m, LinearBase))
     assert model.model.embed_tokens.weight is not None
+
+
+def test_embedding_rows_equal_the_dense_copy():
+    """The rows read from the blocks are the dequantized rows rounded to the dtype, as the dense
+    embedding's copy holds them (bit for bit)."""
+    weight = cpu_q8_0.from_gguf_blocks(torch.from_numpy(_q8_0_raw(40, 96).copy()))
+    ids = torch.tensor([0, 39, 7, 7])
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = weight.dequantize().to(dtype)
+        assert torch.equal(cpu_q8_0.embedding(ids, weight, dtype), torch.nn.functional.embedding(ids, dense))

@@ -1,20 +1,28 @@
-"""GGUF weights on the CPU: 4-bit blocks kept quantized for torch's int4 kernel.
+"""GGUF weights on the CPU: 4-bit and Q8_0 blocks kept quantized for their kernels.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
 checkpoint tensor it was loaded from, with where each checkpoint row went (packed q/k/v
-and gate/up rows, this rank's shard). After loading, a layer whose rows are all Q4_0, Q4_1
-or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py) when it runs
-on the CPU; everything else (Q8_0, Q5_K, Q6_K, F16, F32 tensors, layers of mixed types,
-shapes the kernel cannot take, the GPU) stays on the dense path, dequantized. The token
-embedding and the tied LM head are not linear layers: they stay dense (dequantized Q8_0).
+and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
+Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
+a layer whose rows are all Q8_0 keeps them as int8 values and per-32 scales for the Q8_0
+kernel (kernels/cpu_q8_0.py); everything else (Q5_K, Q6_K, F16, F32 tensors, layers of mixed
+types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The token
+embedding and the LM head are not linear layers: a Q8_0 one keeps its blocks too
+(layers/embed_head.py): the embedding reads its rows from them and the head runs batches of
+up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`; a tied
+head shares the embedding's blocks). Other types stay dense.
 
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
-is used when the engine's dtype is "auto" or "bfloat16"; `dtype="float32"` asks for fp32
-products and gets every weight dequantized (exact), as does `quantization="gguf_dequant"`.
-Batches of more than `max_int4_rows` tokens (prefill, large decode batches) run the dense
-product (oneDNN's packed copy of the dequantized weight: kernels/cpu_gemm.py), which is
-faster there (the crossover is measured per CPU kind: MAX_INT4_ROWS).
+is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes fp32 or bf16
+activations (accumulating in fp32) and is used under the same options, so that
+`dtype="float32"` still asks for fp32 products and gets every weight dequantized (exact), as
+does `quantization="gguf_dequant"`. Batches of more than `max_int4_rows` / `max_q8_0_rows`
+tokens (prefill, large decode batches) run the dense product (oneDNN's packed copy of the
+dequantized weight: kernels/cpu_gemm.py), which is faster there (the crossovers are measured
+per CPU kind: MAX_INT4_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS). The Q8_0 kernel's product is
+the dequantized one in another summation order (its values are the file's, exactly, where the
+dense bf16 weight rounds them to bf16).
 """
 import functools
 
