@@ -133,6 +133,7 @@ def test_q8_0_model_keeps_blocks_and_drops_dense_weights(q8_gguf):
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.quant_method.q8 is not None for m in layers)
     assert model.model.embed_tokens.q8_weight is not None and model.lm_head.q8_weight is not None
+    assert model.lm_head.q8_dtype == model.model.embed_tokens.q8_dtype == torch.bfloat16
     if hasattr(model.lm_head, "packed_weight"):  # oneDNN packs bf16 here: nothing reads the dense copies
         assert model.lm_head.weight is None and model.model.embed_tokens.weight is None
         assert all(m.weight is None for m in layers)

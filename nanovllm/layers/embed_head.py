@@ -33,6 +33,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.keeps_q8_0 = keeps_q8_0_embedding()
         self.q8_weight: cpu_q8_0.Q8Weight | None = None  # this rank's rows, padded like `weight`
+        self.q8_dtype: torch.dtype | None = None  # the dtype its rows are looked up in (`weight` may be dropped)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = max(min(self.shard_size, self.vocab_size - self.vocab_start), 0)  # 0: all padding
@@ -43,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
                 and cpu_q8_0.built(param.dtype)):
             blocks = cpu_q8_0.from_gguf_blocks(loaded.gguf_raw.view(loaded.shape[0], -1))
             self.q8_weight = blocks.rows(self.vocab_start, size).padded(self.shard_size)
-            self.q8_dtype = param.dtype  # the dtype its rows are looked up in (`weight` may be dropped)
+            self.q8_dtype = param.dtype
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [n] of this rank's shard -> [n, hidden]."""

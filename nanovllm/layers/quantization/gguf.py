@@ -91,7 +91,7 @@ class GGUFConfig(QuantizationConfig):
         if head is None or not self.keeps_q8_0_embedding():
             return
         if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
-            head.q8_weight = getattr(embed, "q8_weight", None)
+            head.q8_weight, head.q8_dtype = embed.q8_weight, embed.q8_dtype
         if getattr(head, "q8_weight", None) is not None:
             head.q8_max_rows = self.max_q8_0_head_rows
 
