@@ -17,8 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def generate(out: str, prompts: int, tokens: int) -> None:
-    from bench_cpu import chat_prompts
+    import nanovllm  # first: the tree on PYTHONPATH (bench_cpu puts this script's tree on sys.path)
     from nanovllm import LLM, SamplingParams
+    from bench_cpu import chat_prompts
+    print(f"nanovllm from {nanovllm.__file__}", file=sys.stderr)
     llm = LLM(device="cpu")
     ids = chat_prompts(llm.get_tokenizer(), prompts)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
