@@ -79,7 +79,9 @@ def quantize(w: torch.Tensor) -> Q8Weight:
     q = round(w / d)): for tests and benchmarks."""
     g = w.float().reshape(w.shape[0], -1, BLOCK)                             # [out, blocks, 32]
     d = (g.abs().amax(-1) / 127).half().float()                              # [out, blocks]
-    q = torch.where(d.unsqueeze(-1) > 0, g / d.clamp_min(1e-30).unsqueeze(-1), torch.zeros_like(g))
+    # an all-zero block has d = 0 and q = 0 (the clamp only keeps its division finite)
+    q = torch.where(d.unsqueeze(-1) > 0, g / d.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1),
+                    torch.zeros_like(g))
     return Q8Weight(q.round().clamp(-127, 127).to(torch.int8).reshape(w.shape), d)
 
 
