@@ -129,16 +129,16 @@ def linear_weights(llm) -> tuple[list[torch.nn.Module], torch.nn.Module]:
 def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: int, sampled_rows: int) -> float:
     """Fastest time of one step's matrix products: every linear on `rows` tokens, the head on
     `sampled_rows` (the fastest, as a floor should be: slower timings are the machine's noise)."""
-    from nanovllm.kernels.cpu_gemm import dense_linear
-    dtype = head.weight.dtype
+    # (a head that reads Q8_0 blocks may keep no dense weight: layers/embed_head.py)
+    dtype = head.weight.dtype if head.weight is not None else head.q8_dtype
     xs = {m.input_size: torch.randn(rows, m.input_size, dtype=dtype) for m in layers}
-    h = torch.randn(sampled_rows, head.weight.shape[1], dtype=dtype)
+    h = torch.randn(sampled_rows, (head.q8_weight if head.weight is None else head.weight).shape[1], dtype=dtype)
     times = []
     for _ in range(FLOOR_REPEATS):
         start = time.perf_counter()
         for m in layers:
             m.quant_method.apply(m, xs[m.input_size], None)
-        dense_linear(h, head.weight, None, getattr(head, "packed_weight", None), getattr(head, "int8_weight", None))
+        head(h)  # its own choice of product (dense, packed, int8 or Q8_0 by the row count)
         times.append(time.perf_counter() - start)
     return min(times)
 

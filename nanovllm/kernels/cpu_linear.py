@@ -32,13 +32,15 @@ Q4_1 file: 424 MB; benchmarks/RESULTS.md "B2 CPU, round 4"). Likewise a layer wh
 batches from some row count run an int8 copy (`int8_weight`, kernels/cpu_int8_dynamic.py)
 gets no packed copy where no batch would read it, and drops its dense weight where the
 method's own kernel takes every batch below that count (the LM head keeps its weight: a
-tied one is the token embedding's).
+tied one is the token embedding's, unless that embedding reads its rows from Q8_0 blocks,
+`q8_weight` of layers/embed_head.py: then nothing reads the dense weight and both drop it; an
+untied embedding that reads Q8_0 blocks drops its dense weight too).
 """
 import torch
 from torch import nn
 
 from nanovllm.kernels import cpu_gemm
-from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import LinearBase
 
 
@@ -61,12 +63,35 @@ def use_column_major_weights(model: nn.Module) -> None:
         if packed_read:
             module.packed_weight = cpu_gemm.pack(module.weight.data)
         if not dense_read:  # every batch: the method's own kernel, the int8 or the packed copy
-            if not isinstance(module, ParallelLMHead):  # the head's is the embedding's too
+            if not isinstance(module, ParallelLMHead):
                 module.weight = None
+            else:  # the head's may be the embedding's too
+                _drop_head_weight(model, module)
             continue
         if id(module.weight) not in done:
             done.add(id(module.weight))
             module.weight.data = _column_major(module.weight.data)
+    _drop_untied_embedding_weights(model)
+
+
+def _drop_head_weight(model: nn.Module, head: ParallelLMHead) -> None:
+    """Drop the LM head's dense weight and every embedding's that shares it, where those
+    embeddings all read their rows from Q8_0 blocks (else it is kept)."""
+    sharing = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m is not head
+               and m.weight is head.weight]
+    if all(m.q8_weight is not None for m in sharing):
+        for m in [head, *sharing]:
+            m.weight = None
+
+
+def _drop_untied_embedding_weights(model: nn.Module) -> None:
+    """An embedding that reads its rows from Q8_0 blocks and shares its weight with no LM head
+    that reads it has no use for its dense weight: dropped."""
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.weight is not None]
+    for m in model.modules():
+        if (type(m) is VocabParallelEmbedding and m.q8_weight is not None and m.weight is not None
+                and not any(h.weight is m.weight for h in heads)):
+            m.weight = None
 
 
 def _own_rows(module: nn.Module) -> tuple[int, float]:

@@ -85,6 +85,11 @@ def get_linear_method(layer: nn.Module) -> LinearMethod:
     return _building.get_linear_method(layer)
 
 
+def keeps_q8_0_embedding() -> bool:
+    """Whether the token embedding or LM head being constructed now keeps its GGUF Q8_0 blocks."""
+    return _building is not None and _building.keeps_q8_0_embedding()
+
+
 def get_moe_method(layer: nn.Module) -> FusedMoEMethod | None:
     """The method of a mixture-of-experts layer being constructed now; None: dense experts."""
     return None if _building is None else _building.get_moe_method(layer)
@@ -118,6 +123,7 @@ def _known() -> str:
 
 __all__ = ["FusedMoEMethod", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod", "QUANTIZATION_METHODS",
            "building_with", "check_quantization_option", "get_linear_method", "get_moe_method", "get_quantization_config",
+           "keeps_q8_0_embedding",
            "process_weights_after_loading", "register_quantization", "set_shard_tags"]
 
 

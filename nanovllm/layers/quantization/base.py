@@ -141,6 +141,11 @@ class QuantizationConfig:
         """Called once before the model is built, with its device and `Config.dtype` as given
         ("auto" or a name): a method may choose its kernels by them."""
 
+    def keeps_q8_0_embedding(self) -> bool:
+        """Whether a token embedding or LM head loaded from GGUF Q8_0 blocks keeps them
+        (`q8_weight`, kernels/cpu_q8_0.py), asked as the model is built."""
+        return False
+
     def process_model_after_loading(self, model: nn.Module) -> None:
         """Called once after every layer's `process_weights_after_loading`: what a method does
         across the model (e.g. the LM head, which is no linear layer)."""

@@ -1,29 +1,37 @@
-"""GGUF weights on the CPU: 4-bit blocks kept quantized for our Q4 kernel or torch's int4 kernel.
+"""GGUF weights on the CPU: 4-bit and Q8_0 blocks kept quantized for their kernels.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
 checkpoint tensor it was loaded from, with where each checkpoint row went (packed q/k/v
 and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
-Q4_0 or all Q4_1 is repacked for our C++ kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on the
-file's exact values) where it was measured faster (MAX_Q4_ROWS), and a layer whose rows are all
-Q4_0, Q4_1 or Q4_K otherwise for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py);
-everything else (Q8_0, Q5_K, Q6_K, F16, F32 tensors, layers of mixed types, shapes the kernels
-cannot take, the GPU) stays on the dense path, dequantized. The token
-embedding and the tied LM head are not linear layers: they stay dense (dequantized Q8_0).
+Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
+the file's exact values) where it was measured faster (MAX_Q4_ROWS); otherwise a layer whose
+rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
+a layer whose rows are all Q8_0 keeps them as int8 values and per-32 scales for the Q8_0
+kernel (kernels/cpu_q8_0.py); everything else (Q5_K, Q6_K, F16, F32 tensors, layers of mixed
+types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The token
+embedding and the LM head are not linear layers: a Q8_0 one keeps its blocks too
+(layers/embed_head.py): the embedding reads its rows from them and the head runs batches of
+up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`; a tied
+head shares the embedding's blocks). Other types stay dense.
 
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
-is used when the engine's dtype is "auto" or "bfloat16"; `dtype="float32"` asks for fp32
-products and gets every weight dequantized (exact), as does `quantization="gguf_dequant"`.
-Batches of more than `max_int4_rows` (`max_q4_rows`) tokens (prefill, large decode batches) run the dense
-product (oneDNN's packed copy of the dequantized weight: kernels/cpu_gemm.py), which is
-faster there (the crossover is measured per CPU kind: MAX_INT4_ROWS).
+is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes fp32 or bf16
+activations (accumulating in fp32) and is used under the same options, so that
+`dtype="float32"` still asks for fp32 products and gets every weight dequantized (exact), as
+does `quantization="gguf_dequant"`. Batches of more than `max_q4_rows` / `max_int4_rows` /
+`max_q8_0_rows` tokens (prefill, large decode batches) run the dense product (oneDNN's packed copy of the
+dequantized weight: kernels/cpu_gemm.py), which is faster there (the crossovers are measured
+per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS). The Q8_0 kernel's product is
+the dequantized one in another summation order (its values are the file's, exactly, where the
+dense bf16 weight rounds them to bf16).
 """
 import functools
 
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_gguf_q4, cpu_int4
+from nanovllm.kernels import cpu_gguf_q4, cpu_int4, cpu_q8_0
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                                set_shard_tags)
@@ -45,17 +53,28 @@ MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 # 0.82-0.87x the int4 kernel's time at 1 row, 0.88-0.90x at 2, 1.01x at 4 and 0.90-0.93x at 8, so it
 # serves every row count the int4 kernel did there. AVX2: not measured, so the int4 kernel stays.
 MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
+# Token counts up to which the Q8_0 kernel (kernels/cpu_q8_0.py) beats the dense product, per CPU
+# kind. AVX512-BF16: against oneDNN's packed bf16 product, two threads (benchmarks/RESULTS.md "Q8_0
+# kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
+# row, 0.056 / 0.089 at 2, 0.105 / 0.104 at 4, 0.149 / 0.140 at 8; 576x1536 0.072 / 0.123 at 1,
+# 0.098 / 0.138 at 2, 0.137 / 0.126 at 4. The LM head 49152x576: 1.45 / 2.95 ms at 1, 1.80 / 3.07
+# at 2, 2.32 / 2.90 at 4, 4.41 / 3.14 at 8. AVX2 is not measured: one row only there, where the
+# product is bound by the bytes it reads (1.125 a weight against the fp32 weight's 4).
+MAX_Q8_0_ROWS = {"avx2": 1, "avx512_bf16": 2}
+MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
 @register_quantization("gguf")
 class GGUFConfig(QuantizationConfig):
-    """A GGUF file's weights: 4-bit types packed for the CPU's int4 kernel, the rest dense."""
+    """A GGUF file's weights: 4-bit and Q8_0 types kept for the CPU's kernels, the rest dense."""
 
     def __init__(self):
         self.packed = True
-        self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
         self.max_q4_rows = MAX_Q4_ROWS[cpu_kind()]
+        self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
+        self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
+        self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
@@ -69,6 +88,21 @@ class GGUFConfig(QuantizationConfig):
 
     def get_moe_method(self, layer: nn.Module):
         return None  # experts load dequantized (layers/fused_moe.py's dense method)
+
+    def keeps_q8_0_embedding(self) -> bool:
+        return self.packed and self.max_q8_0_head_rows > 0
+
+    def process_model_after_loading(self, model: nn.Module) -> None:
+        """The LM head runs its batches of up to `max_q8_0_head_rows` rows by its Q8_0 blocks
+        (a tied head: the token embedding's, layers/embed_head.py)."""
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or not self.keeps_q8_0_embedding():
+            return
+        if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
+            head.q8_weight, head.q8_dtype = embed.q8_weight, embed.q8_dtype
+        if getattr(head, "q8_weight", None) is not None:
+            head.q8_max_rows = self.max_q8_0_head_rows
 
 
 @register_quantization("gguf_dequant")
@@ -91,16 +125,18 @@ class GGUFDequantConfig(QuantizationConfig):
 
 
 class GGUFLinearMethod(UnquantizedLinearMethod):
-    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the Q4 kernel's
-    pack or the int4 pack."""
+    """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the Q4 kernel's or
+    the int4 pack, and where every row is Q8_0, the Q8_0 blocks in the kernel's layout."""
 
     def __init__(self, config: GGUFConfig):
-        self.max_int4_rows = config.max_int4_rows
         self.max_q4_rows = config.max_q4_rows
-        self.q4: cpu_gguf_q4.PackedQ4 | None = None
+        self.max_int4_rows = config.max_int4_rows
+        self.max_q8_0_rows = config.max_q8_0_rows
         self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
         self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.q4: cpu_gguf_q4.PackedQ4 | None = None
+        self.q8: cpu_q8_0.Q8Weight | None = None
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
                        params_dtype: torch.dtype) -> None:
@@ -126,14 +162,19 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         source = self.row_source.data
         types = {t for t, _ in self.parts}
-        on_cpu = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
-        if on_cpu and self.max_q4_rows > 0 and len(types) == 1:
+        loaded = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
+        if loaded and self.max_q4_rows > 0 and len(types) == 1:
             self.q4 = self._pack_q4(layer, source.long(), next(iter(types)))
-        packable = (self.q4 is None and self.max_int4_rows > 0 and on_cpu
-                    and types <= set(cpu_int4.INT4_GGUF_TYPES) and cpu_int4.can_pack(*layer.weight.shape))
-        if packable:
-            q, scale, zero = self._gather(layer, source.long())
+        int4 = (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
+                and cpu_int4.can_pack(*layer.weight.shape))
+        q8 = (loaded and self.max_q8_0_rows > 0 and types == {"Q8_0"} and layer.weight.shape[1] % cpu_q8_0.BLOCK == 0
+              and cpu_q8_0.built(layer.weight.dtype))
+        if self.q4 is None and int4:
+            q, scale, zero = self._gather(layer, source.long(), self._int4_parts(), cpu_int4.GROUP_SIZE)
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
+        elif q8:
+            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf_blocks(raw) for _, raw in self.parts)]
+            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, cpu_q8_0.BLOCK))
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
 
     def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str) -> "cpu_gguf_q4.PackedQ4 | None":
@@ -152,29 +193,35 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         rows = rows[:, start // block * block_bytes:(start + in_features) // block * block_bytes]
         return cpu_gguf_q4.pack(rows.contiguous(), type_name)
 
-    def _gather(self, layer: nn.Module, source: torch.Tensor):
-        """q, scale, zero of this layer's rows (and this rank's columns) from the raw parts."""
-        affine = [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
-        offsets = torch.tensor([0] + [a[0].shape[0] for a in affine]).cumsum(0)
-        index = offsets[source[:, 0]] + source[:, 1]                  # [out]
-        q, scale, zero = (torch.cat(x)[index] for x in zip(*affine))  # [out, ckpt_in], [out, ckpt_in/32]
+    def _int4_parts(self) -> list[tuple[torch.Tensor, ...]]:
+        return [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
+
+    def _gather(self, layer: nn.Module, source: torch.Tensor, parts: list[tuple[torch.Tensor, ...]], group: int):
+        """Each of the parts' tensors ([ckpt_rows, ckpt_in] values, then [ckpt_rows, ckpt_in / group]
+        scales) at this layer's rows (and this rank's columns)."""
+        offsets = torch.tensor([0] + [p[0].shape[0] for p in parts]).cumsum(0)
+        index = offsets[source[:, 0]] + source[:, 1]                    # [out]
+        gathered = [torch.cat(x)[index] for x in zip(*parts)]           # [out, ckpt_in], [out, ckpt_in / group]
         in_features = layer.weight.shape[1]
-        start = 0 if q.shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
-        group = cpu_int4.GROUP_SIZE
-        assert start % group == 0, "a row-parallel shard splits a 4-bit group"
-        return (q[:, start:start + in_features], scale[:, start // group:(start + in_features) // group],
-                zero[:, start // group:(start + in_features) // group])
+        start = 0 if gathered[0].shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
+        assert start % group == 0, "a row-parallel shard splits a quantization block"
+        cols = [slice(start, start + in_features)] + [slice(start // group, (start + in_features) // group)] * 2
+        return tuple(t[:, c] for t, c in zip(gathered, cols))
 
     @property
     def own_kernel_max_rows(self) -> int:
         if self.q4 is not None:
             return self.max_q4_rows
+        if self.q8 is not None:
+            return self.max_q8_0_rows
         return 0 if self.packed is None else self.max_int4_rows
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = None
         if self.q4 is not None and x.shape[0] <= self.max_q4_rows:
             y = cpu_gguf_q4.q4_linear(x, self.q4)  # [num_tokens, out]; None: a dtype it does not take
+        elif self.q8 is not None and x.shape[0] <= self.max_q8_0_rows:
+            y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
         elif self.packed is not None and x.shape[0] <= self.max_int4_rows:
             y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         if y is None:
