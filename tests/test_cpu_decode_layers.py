@@ -15,6 +15,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import cpu_decode_layers
+from nanovllm.models.decoder import DecoderAttention
 from nanovllm.utils import cpp_compiler
 
 pytestmark = pytest.mark.skipif(not cpp_compiler.cpp_compiler_found(), reason="no C++ compiler found")
@@ -41,18 +42,24 @@ def _generate(llm: LLM, prompts) -> list:
 def _assert_same_with_and_without(engines: dict[bool, LLM], prompts, monkeypatch) -> None:
     runner = engines[True].llm_engine.model_runner
     assert runner.cpu_decode_layers is not None and engines[False].llm_engine.model_runner.cpu_decode_layers is None
-    layer_calls = []
+    layer_calls, attend_calls = [], []
     layer = cpu_decode_layers.DecodeLayers._layer
     monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "_layer",
                         lambda self, *a: layer_calls.append(1) or layer(self, *a))
-    on = _generate(engines[True], prompts)
-    off = _generate(engines[False], prompts)
+    attend = DecoderAttention.attend
+    monkeypatch.setattr(DecoderAttention, "attend", lambda self, *a: attend_calls.append(1) or attend(self, *a))
+    try:
+        on = _generate(engines[True], prompts)
+        decode_attends = len(attend_calls)
+        off = _generate(engines[False], prompts)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
     num_layers = len(runner.model.model.layers)
     assert len(layer_calls) >= (NEW_TOKENS - 1) * num_layers  # every decode step went through it
+    assert decode_attends == num_layers  # only the prefill step's layers went the modules' way
     assert [ids for ids, _ in on] == [ids for ids, _ in off]
     assert [lp for _, lp in on] == [lp for _, lp in off]  # the same bits, so the same logprobs
-    for engine in engines.values():
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -99,6 +106,7 @@ def test_a_prefill_step_runs_the_modules(tmp_path, monkeypatch):
     layer = cpu_decode_layers.DecodeLayers._layer
     monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "_layer", lambda self, *a: calls.append(1) or layer(self, *a))
     try:
+        assert llm.llm_engine.model_runner.cpu_decode_layers is not None
         llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=1), use_tqdm=False)
         assert calls == []
     finally:

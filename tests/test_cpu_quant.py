@@ -86,7 +86,8 @@ def _smollm():
 
 @pytest.fixture(scope="module")
 def engines():
-    """(int4 engine, dequantized engine) on the embedded Q4_1 file, both fp32 elsewhere."""
+    """(quantized engine: the Q4 or the int4 kernel by CPU kind; dequantized engine) on the embedded
+    Q4_1 file, at the engine's default dtype."""
     LLM = _smollm()
     return LLM(max_model_len=512), LLM(max_model_len=512, quantization="gguf_dequant")
 
@@ -121,6 +122,7 @@ def test_q4_kernel_runs_its_rows_and_matches_the_dequantized_layer(engines, monk
         pytest.skip("the int4 kernel serves this CPU kind (or no C++ compiler)")
     ours = quantized.llm_engine.model_runner.model.model.layers[3].mlp.down_proj
     ref = dequantized.llm_engine.model_runner.model.model.layers[3].mlp.down_proj
+    built = cpu_gguf_q4._build.cache_info().misses
     calls = []
     kernel = cpu_gguf_q4.q4_linear
     monkeypatch.setattr(gguf_method.cpu_gguf_q4, "q4_linear", lambda *a: calls.append(1) or kernel(*a))
@@ -129,10 +131,12 @@ def test_q4_kernel_runs_its_rows_and_matches_the_dequantized_layer(engines, monk
     for rows in (1, max_rows):
         x = torch.randn(rows, ours.input_size, generator=gen).to(dtype)
         y, y_ref = ours(x).float(), ref(x).float()
+        assert torch.equal(y, kernel(x, ours.quant_method.q4).float())  # the layer's product is the kernel's
         assert ((y - y_ref).norm(dim=1) / y_ref.norm(dim=1)).max() < BF16_PRODUCT_RTOL
-    assert len(calls) == 2
+    assert len(calls) == 2  # (the direct calls above went to the unpatched kernel)
     ours(torch.randn(max_rows + 1, ours.input_size, generator=gen).to(dtype))
     assert len(calls) == 2  # a larger batch ran the dense product
+    assert cpu_gguf_q4._build.cache_info().misses == built  # the engine's kernel was built at load, not here
 
 
 def test_int4_layers_keep_no_dense_weight(engines):

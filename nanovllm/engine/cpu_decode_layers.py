@@ -71,7 +71,7 @@ class DecodeLayers:
                 and attn.k_cache.dtype == self.kv_cache_dtype and attn.k_cache.dim() == 4
                 and attn.kv_amax is None and not torch.compiler.is_compiling()):
             return run_decoder_layers(layers, positions, hidden, residual)
-        step = cpu_paged_decode.DecodeStep(self.kernel, attn.num_heads, attn.k_cache, ctx.seq_lens_k, ctx.block_tables,
+        step = cpu_paged_decode.DecodeStep(self.kernel, attn.k_cache, ctx.seq_lens_k, ctx.block_tables,
                                            attn.scale, cpu_decode_mirror.longest(ctx.seq_lens_k))
         positions = positions.to(torch.int64).contiguous()      # [num_seqs]
         slots = ctx.slot_mapping.to(torch.int64).contiguous()   # [num_seqs]

@@ -75,17 +75,20 @@ def _build(dtype: torch.dtype, type_name: str, isa: str = "native"):
 
 def prepare(dtype: torch.dtype, type_name: str) -> bool:
     """Build the kernel for x's `dtype` and the weight's type now (engine start-up); whether it runs."""
-    return dtype in CPP_TYPES and type_name in Q4_TYPES and _build(dtype, type_name) is not None
+    return dtype in CPP_TYPES and type_name in Q4_TYPES and _build(dtype, type_name, "native") is not None
 
 
-def pack(raw: torch.Tensor, type_name: str) -> PackedQ4 | None:
+def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) -> PackedQ4 | None:
     """GGUF rows in the kernel's layout, or None where it does not take them (another type, no C++).
 
     Args:
         raw: [out_features, bytes_per_row] uint8, each row a run of `type_name` blocks (as the file
             holds a 2-D weight: row n is output n, its blocks along the input).
+        dtype: the activations' dtype it will run with (its kernel built now); None: any.
     """
-    if type_name not in Q4_TYPES or not any(_build(dt, type_name) is not None for dt in CPP_TYPES):
+    dtypes = list(CPP_TYPES) if dtype is None else [dtype]
+    if type_name not in Q4_TYPES or not any(dt in CPP_TYPES and _build(dt, type_name, "native") is not None
+                                            for dt in dtypes):
         return None
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % GGUF_BLOCK_BYTES[type_name]:
         raise ValueError(f"{type_name} rows must be [rows, a multiple of {GGUF_BLOCK_BYTES[type_name]}] "

@@ -110,17 +110,17 @@ def decode_attention(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     max_seqlen_k: the longest of seq_lens_k
     Returns:      [num_seqs, num_heads, d] in q's dtype
     """
-    return DecodeStep(kernel, q.shape[1], k_cache, seq_lens_k, block_tables, scale, max_seqlen_k)(q, k_cache, v_cache)
+    return DecodeStep(kernel, k_cache, seq_lens_k, block_tables, scale, max_seqlen_k)(q, k_cache, v_cache)
 
 
 class DecodeStep:
     """`decode_attention`'s arguments that every layer of a step shares (the tables, the
-    partitions, the scratch), prepared once; called per layer with its q and caches, which
+    partitions), prepared once; called per layer with its q and caches, which
     must have the shape and strides of the `k_cache` given here."""
 
-    def __init__(self, kernel, num_heads: int, k_cache: torch.Tensor, seq_lens_k: torch.Tensor,
+    def __init__(self, kernel, k_cache: torch.Tensor, seq_lens_k: torch.Tensor,
                  block_tables: torch.Tensor, scale: float, max_seqlen_k: int):
-        self.kernel, self.num_heads, self.scale = kernel, num_heads, scale
+        self.kernel, self.scale = kernel, scale
         _, self.block_size, self.kv_heads, _ = k_cache.shape
         self.num_seqs = seq_lens_k.shape[0]
         self.tables = block_tables.to(torch.int32).contiguous()  # [num_seqs, max_blocks]

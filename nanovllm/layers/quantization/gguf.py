@@ -53,6 +53,8 @@ MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 # 0.82-0.87x the int4 kernel's time at 1 row, 0.88-0.90x at 2, 1.01x at 4 and 0.90-0.93x at 8, so it
 # serves every row count the int4 kernel did there. AVX2: not measured, so the int4 kernel stays.
 MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
+# (a layer on the Q4 kernel keeps no int4 pack: where it runs, it must take every row the int4 kernel did)
+assert all(MAX_Q4_ROWS[kind] in (0, MAX_INT4_ROWS[kind]) for kind in MAX_Q4_ROWS)
 # Token counts up to which the Q8_0 kernel (kernels/cpu_q8_0.py) beats the dense product, per CPU
 # kind. AVX512-BF16: against oneDNN's packed bf16 product, two threads (benchmarks/RESULTS.md "Q8_0
 # kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
@@ -189,9 +191,10 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         in_features, block = layer.weight.shape[1], cpu_gguf_q4.BLOCK
         ckpt_in = rows.shape[1] // block_bytes * block
         start = 0 if ckpt_in == in_features else layer.tp_rank * in_features  # row-parallel shard
-        assert start % block == 0 and in_features % block == 0, "a row-parallel shard splits a GGUF block"
+        if start % block or in_features % block:  # a row-parallel shard that splits a GGUF block
+            return None
         rows = rows[:, start // block * block_bytes:(start + in_features) // block * block_bytes]
-        return cpu_gguf_q4.pack(rows.contiguous(), type_name)
+        return cpu_gguf_q4.pack(rows.contiguous(), type_name, layer.weight.dtype)
 
     def _int4_parts(self) -> list[tuple[torch.Tensor, ...]]:
         return [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
@@ -210,6 +213,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     @property
     def own_kernel_max_rows(self) -> int:
+        """The largest batch this layer's own kernel runs (kernels/cpu_linear.py keeps the dense
+        copies that larger batches need)."""
         if self.q4 is not None:
             return self.max_q4_rows
         if self.q8 is not None:
