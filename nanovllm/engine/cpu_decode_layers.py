@@ -33,12 +33,10 @@ def build(model: nn.Module, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> 
     if not ENABLED or not layers or Attention.backend is not cpu_attn:
         return None
     head_dim = layers[0].self_attn.head_dim
-    if (cpu_paged_decode.kernel_for(dtype, kv_cache_dtype, head_dim) is None
-            or not cpu_small_ops.prepare(dtype, head_dim)):
+    kernel = cpu_paged_decode.kernel_for(dtype, kv_cache_dtype, head_dim)
+    if kernel is None or not cpu_small_ops.prepare(dtype, head_dim) or any(_why_not(layer) for layer in layers):
         return None
-    if any(_why_not(layer) for layer in layers):
-        return None
-    return DecodeLayers(dtype, kv_cache_dtype, head_dim)
+    return DecodeLayers(dtype, kv_cache_dtype, head_dim, kernel)
 
 
 def _why_not(layer: nn.Module) -> str | None:
@@ -60,9 +58,9 @@ class DecodeLayers:
     """`run_layers` (DecoderModel.forward's argument) for decode-only steps; other steps, and a
     step whose tensors the kernels do not take, go to the modules (`run_decoder_layers`)."""
 
-    def __init__(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int):
-        self.dtype, self.kv_cache_dtype, self.head_dim = dtype, kv_cache_dtype, head_dim
-        self.kernel = cpu_paged_decode.kernel_for(dtype, kv_cache_dtype, head_dim)
+    def __init__(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int, kernel):
+        """`kernel`: the C++ paged decode kernel for these dtypes and head size (cpu_paged_decode.kernel_for)."""
+        self.dtype, self.kv_cache_dtype, self.head_dim, self.kernel = dtype, kv_cache_dtype, head_dim, kernel
 
     def __call__(self, layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         ctx = get_context()

@@ -233,7 +233,7 @@ class ModelRunner:
     def _cpu_decode_layers(self) -> cpu_decode_layers.DecodeLayers | None:
         """An eager CPU engine's decode steps straight through to their kernels
         (engine/cpu_decode_layers.py), where every layer takes that path; None elsewhere."""
-        if self.device.type != "cpu" or self.compiled_forward is not None or self.tp_size > 1:
+        if self.device.type != "cpu" or self.compiled_forward is not None:
             return None
         return cpu_decode_layers.build(self.model, self.dtype, self.kv_cache_dtype)
 

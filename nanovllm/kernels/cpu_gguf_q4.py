@@ -86,9 +86,7 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
             holds a 2-D weight: row n is output n, its blocks along the input).
         dtype: the activations' dtype it will run with (its kernel built now); None: any.
     """
-    dtypes = list(CPP_TYPES) if dtype is None else [dtype]
-    if type_name not in Q4_TYPES or not any(dt in CPP_TYPES and _build(dt, type_name, "native") is not None
-                                            for dt in dtypes):
+    if not any(prepare(dt, type_name) for dt in (CPP_TYPES if dtype is None else [dtype])):
         return None
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % GGUF_BLOCK_BYTES[type_name]:
         raise ValueError(f"{type_name} rows must be [rows, a multiple of {GGUF_BLOCK_BYTES[type_name]}] "

@@ -186,11 +186,9 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         raws = [raw for _, raw in self.parts]
         if block_bytes is None or len({raw.shape[1] for raw in raws}) != 1:
             return None
-        offsets = torch.tensor([0] + [raw.shape[0] for raw in raws]).cumsum(0)
-        rows = torch.cat(raws)[offsets[source[:, 0]] + source[:, 1]]     # [out, ckpt blocks * block bytes]
+        (rows,) = self._layer_rows(source, [(raw,) for raw in raws])   # [out, ckpt blocks * block bytes]
         in_features, block = layer.weight.shape[1], cpu_gguf_q4.BLOCK
-        ckpt_in = rows.shape[1] // block_bytes * block
-        start = 0 if ckpt_in == in_features else layer.tp_rank * in_features  # row-parallel shard
+        start = self._shard_start(layer, rows.shape[1] // block_bytes * block)
         if start % block or in_features % block:  # a row-parallel shard that splits a GGUF block
             return None
         rows = rows[:, start // block * block_bytes:(start + in_features) // block * block_bytes]
@@ -202,14 +200,27 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def _gather(self, layer: nn.Module, source: torch.Tensor, parts: list[tuple[torch.Tensor, ...]], group: int):
         """Each of the parts' tensors ([ckpt_rows, ckpt_in] values, then [ckpt_rows, ckpt_in / group]
         scales) at this layer's rows (and this rank's columns)."""
-        offsets = torch.tensor([0] + [p[0].shape[0] for p in parts]).cumsum(0)
-        index = offsets[source[:, 0]] + source[:, 1]                    # [out]
-        gathered = [torch.cat(x)[index] for x in zip(*parts)]           # [out, ckpt_in], [out, ckpt_in / group]
+        gathered = self._layer_rows(source, parts)                      # [out, ckpt_in], [out, ckpt_in / group]
         in_features = layer.weight.shape[1]
-        start = 0 if gathered[0].shape[1] == in_features else layer.tp_rank * in_features  # row-parallel shard
+        start = self._shard_start(layer, gathered[0].shape[1])
         assert start % group == 0, "a row-parallel shard splits a quantization block"
         cols = [slice(start, start + in_features)] + [slice(start // group, (start + in_features) // group)] * 2
         return tuple(t[:, c] for t, c in zip(gathered, cols))
+
+    @staticmethod
+    def _layer_rows(source: torch.Tensor, parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """Each of the parts' tensors (one tuple per checkpoint tensor, each tensor with that
+        checkpoint tensor's rows first) at this layer's output rows, `source` [out, 2] (part, row)."""
+        offsets = torch.tensor([0] + [p[0].shape[0] for p in parts]).cumsum(0)
+        index = offsets[source[:, 0]] + source[:, 1]                    # [out]
+        return [torch.cat(x)[index] for x in zip(*parts)]
+
+    @staticmethod
+    def _shard_start(layer: nn.Module, ckpt_in: int) -> int:
+        """The first checkpoint input column of this rank's columns: 0 unless the layer is a
+        row-parallel shard of a checkpoint `ckpt_in` columns wide."""
+        in_features = layer.weight.shape[1]
+        return 0 if ckpt_in == in_features else layer.tp_rank * in_features
 
     @property
     def own_kernel_max_rows(self) -> int:
