@@ -4,7 +4,7 @@
 every call still goes through the checks and the dispatch in front of its kernel (the Q4
 product's shape, dtype and `is_compiling` checks, the `_build` look-ups, `.contiguous()`,
 `rope_store_applies`), a `torch.empty` for its output and the layer's `nn.Module` attribute
-look-ups: at one sequence of SmolLM2-135M about as long as the kernels themselves (~210 kernel
+look-ups: at one sequence of SmolLM2-135M about 3 ms of a 9 ms step (nine kernel calls a layer, 270
 calls a step). A `StepPlan` does that once, for one row count, at the first decode step with that
 many rows: for every layer the functions `utils/cpp_compiler.build` returned (the C++ RMSNorm,
 RoPE + K/V store, paged decode attention, SiLU-and-mul, and the Q4 product where the layer's
