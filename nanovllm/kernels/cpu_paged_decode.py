@@ -140,7 +140,6 @@ class DecodeStep:
                     self.part_len, self.num_parts, self.scale, self.threads)
         return out
 
-
     def scratch(self, num_heads: int, d: int) -> torch.Tensor:
         """The fp32 scratch the kernel's partitions write for this step (a placeholder without partitions)."""
         group = num_heads // self.kv_heads
