@@ -31,7 +31,7 @@ from nanovllm.kernels import cpu_gguf_q4, cpu_paged_decode, cpu_small_ops
 # the outputs are the same). Read when an engine's DecodeLayers is made (cpu_decode_layers.build).
 ENABLED = True
 # The most rows a plan is made for: the host's share of a step matters at a few rows (one
-# sequence: about half of it); larger batches keep DecodeLayers' path and allocate per step.
+# sequence: about a third of it without plans); larger batches keep DecodeLayers' path.
 MAX_ROWS = 8
 # Dtypes whose RMSNorm is the C++ one (fused_ops.rms_norm keeps torch's F.rms_norm for fp32).
 PLAN_DTYPES = (torch.bfloat16, torch.float16)
