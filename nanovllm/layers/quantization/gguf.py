@@ -1,4 +1,4 @@
-"""GGUF weights on the CPU: 4-bit and Q8_0 blocks kept quantized for their kernels.
+"""GGUF weights on the CPU: 4-bit, Q8_0 and Q6_K blocks kept quantized for their kernels.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
@@ -7,10 +7,11 @@ and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose r
 Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
 the file's exact values) where it was measured faster (MAX_Q4_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
-a layer whose rows are all Q8_0 keeps them as int8 values and per-32 scales for the Q8_0
-kernel (kernels/cpu_q8_0.py); everything else (Q5_K, Q6_K, F16, F32 tensors, layers of mixed
-types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The token
-embedding and the LM head are not linear layers: a Q8_0 one keeps its blocks too
+a layer whose rows are all Q8_0 or all Q6_K keeps them as int8 values and fp32 scales (one per
+32 values; per 16 for Q6_K: exactly the file's values) for the Q8_0 kernel
+(kernels/cpu_q8_0.py); everything else (Q5_K, F16, F32 tensors, layers of
+mixed types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The
+token embedding and the LM head are not linear layers: one of those two types keeps its blocks too
 (layers/embed_head.py): the embedding reads its rows from them and the head runs batches of
 up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`; a tied
 head shares the embedding's blocks). Other types stay dense.
@@ -169,14 +170,15 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             self.q4 = self._pack_q4(layer, source.long(), next(iter(types)))
         int4 = (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
                 and cpu_int4.can_pack(*layer.weight.shape))
-        q8 = (loaded and self.max_q8_0_rows > 0 and types == {"Q8_0"} and layer.weight.shape[1] % cpu_q8_0.BLOCK == 0
-              and cpu_q8_0.built(layer.weight.dtype))
+        block = cpu_q8_0.BLOCK_OF.get(next(iter(types))) if len(types) == 1 else None
+        q8 = (loaded and self.max_q8_0_rows > 0 and block is not None and layer.weight.shape[1] % block == 0
+              and cpu_q8_0.built(layer.weight.dtype, block))
         if self.q4 is None and int4:
             q, scale, zero = self._gather(layer, source.long(), self._int4_parts(), cpu_int4.GROUP_SIZE)
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
         elif q8:
-            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf_blocks(raw) for _, raw in self.parts)]
-            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, cpu_q8_0.BLOCK))
+            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf(raw, t) for t, raw in self.parts)]
+            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, block))
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
 
     def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str) -> "cpu_gguf_q4.PackedQ4 | None":
