@@ -78,6 +78,17 @@ def cpu_has_vnni() -> bool:
     return {"avx512_vnni", "avx512bw", "avx512f"} <= set(flags)
 
 
+def runs_here() -> bool:
+    """Whether the engine should run it on this CPU: AVX512-VNNI, and no AMX (whose bf16 tiles
+    oneDNN's bf16 product uses, at several times vpdpbusd's rate: not measured against it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return cpu_has_vnni() and "amx_bf16" not in flags
+
+
 def prepare(dtype: torch.dtype, type_name: str) -> bool:
     """Build the kernel for x's `dtype` and the weight's type now (engine start-up); whether it runs."""
     return (cpu_has_vnni() and dtype in CPP_TYPES and type_name in Q4_TYPES
@@ -115,13 +126,15 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
     return PackedVNNI(data, type_name, n, nb * BLOCK)
 
 
-def vnni_linear(x: torch.Tensor, packed: PackedVNNI) -> torch.Tensor:
-    """quantize_x(x) [m, in_features] @ dequant(W)^T -> [m, out_features] in x's dtype (fp32 or bf16,
-    CPU), fp32 sums. The caller checks `prepare(x.dtype, packed.type_name)`."""
+def vnni_linear(x: torch.Tensor, packed: PackedVNNI) -> torch.Tensor | None:
+    """quantize_x(x) [m, in_features] @ dequant(W)^T -> [m, out_features] in x's dtype, fp32 sums;
+    None where the kernel does not take x (not on the CPU, a dtype other than fp32 / bf16, not built)
+    and the caller runs its own product."""
     if x.dim() != 2 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be [rows, {packed.in_features}], got {tuple(x.shape)}")
-    fn = _build(x.dtype, packed.type_name)
-    assert fn is not None, "vnni_linear called where the kernel is not built"
+    fn = _build(x.dtype, packed.type_name) if x.is_cpu and x.dtype in CPP_TYPES else None
+    if fn is None:
+        return None
     x = x.contiguous()
     y = torch.empty(x.shape[0], packed.out_features, dtype=x.dtype)  # [m, out_features]
     if x.shape[0]:
