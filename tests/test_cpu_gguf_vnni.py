@@ -1,4 +1,4 @@
-"""kernels/cpu_gguf_vnni.py (the int8 AVX512-VNNI product for GGUF Q4_0 / Q4_1 weights and batches)
+"""kernels/cpu_gguf_vnni.py (the int8 AVX512-VNNI product for GGUF Q4_0 / Q4_1 / Q8_0 weights and batches)
 and its wiring in layers/quantization/gguf.py.
 
 - The kernel equals `quantize_x(x) @ dequant(W)^T` (the `gguf` package's dequantized weight, x
@@ -16,14 +16,14 @@ import importlib.util
 import pytest
 import torch
 
-from nanovllm.kernels import cpu_gguf_vnni
+from nanovllm.kernels import cpu_gguf_vnni, cpu_q8_0
 from nanovllm.utils import cpp_compiler
 
 gguf = pytest.importorskip("gguf")
 needs_vnni = pytest.mark.skipif(not (cpp_compiler.cpp_compiler_found() and cpu_gguf_vnni.runs_here()),
                                 reason="no AVX512-VNNI (or AMX, where it is not used) or no C++ compiler")
 
-TYPES = ["Q4_0", "Q4_1"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 # fp32 y against quantize_x(x) @ dequant(W)^T, as a fraction of sum |x_q| |w| (the terms' size): the
 # integer dots are exact, only the fp32 scaling and summation order differ (~1e-7 measured; one q_x
 # off by one is ~1e-2 of a term)
@@ -38,7 +38,11 @@ TOP_K_CLOSE = 5
 
 
 def _random_rows(n: int, k: int, type_name: str, gen: torch.Generator) -> torch.Tensor:
-    """GGUF rows [n, bytes] uint8: random nibbles, scales d in (0, 0.02), Q4_1 mins in (-0.1, 0.1)."""
+    """GGUF rows [n, bytes] uint8: random nibbles, scales d in (0, 0.02), Q4_1 mins in (-0.1, 0.1);
+    Q8_0: a Gaussian weight quantized as llama.cpp does (kernels/cpu_q8_0.quantize)."""
+    if type_name == "Q8_0":
+        q8 = cpu_q8_0.quantize(torch.randn(n, k, generator=gen) * 0.05)
+        return cpu_gguf_vnni.q8_0_blocks(q8.values, q8.scales)
     blocks = n * k // 32
     raw = torch.randint(0, 256, (blocks, cpu_gguf_vnni.GGUF_BLOCK_BYTES[type_name]), dtype=torch.uint8,
                         generator=gen)
@@ -87,14 +91,26 @@ def test_products_equal_the_quantized_x_reference(type_name, dtype):
 
 
 @needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+def test_bf16_output_is_the_fp32_output_rounded(type_name):
+    """The C++ rounds its fp32 sums to bf16 as torch does (nearest even)."""
+    gen = torch.Generator().manual_seed(3)
+    packed = cpu_gguf_vnni.pack(_random_rows(50, 64, type_name, gen), type_name)
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(cpu_gguf_vnni.vnni_linear(x, packed), cpu_gguf_vnni.vnni_linear(x.float(), packed).bfloat16())
+
+
+@needs_vnni
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("shape", [(576, 1536, 300), (960, 576, 64), (40, 32, 9), (17, 96, 6)])
+@pytest.mark.parametrize("shape", [(576, 1536, 300, "Q4_1"), (960, 576, 64, "Q4_1"), (40, 32, 9, "Q4_0"),
+                                   (17, 96, 6, "Q4_1"), (1000, 576, 70, "Q8_0")])
 def test_odd_shapes_on_one_and_two_threads(shape, threads):
-    """SmolLM2's down and qkv shapes, a single block per row, a single group of output rows."""
-    n, k, m = shape
+    """SmolLM2's down and qkv shapes, a single block per row, a single group of output rows, a
+    slice of the Q8_0 LM head."""
+    n, k, m, type_name = shape
     gen = torch.Generator().manual_seed(n + threads)
-    raw = _random_rows(n, k, "Q4_1", gen)
-    packed, w = cpu_gguf_vnni.pack(raw, "Q4_1"), _dequantized(raw, "Q4_1")
+    raw = _random_rows(n, k, type_name, gen)
+    packed, w = cpu_gguf_vnni.pack(raw, type_name), _dequantized(raw, type_name)
     x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen) * 4  # uneven channels
     x[:, 3] = 50.0  # an outlier channel: its blocks' other values lose precision, nothing worse
     saved = torch.get_num_threads()

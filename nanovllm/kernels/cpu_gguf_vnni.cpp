@@ -1,10 +1,10 @@
-// y[M, N] = x[M, K] @ W^T for a GGUF Q4_0 / Q4_1 weight W [N, K] and a batch of rows of x, by
+// y[M, N] = x[M, K] @ W^T for a GGUF Q4_0 / Q4_1 / Q8_0 weight W [N, K] and a batch of rows of x, by
 // AVX512-VNNI integer dot products (vpdpbusd: u8 x s8, four products summed into each int32 lane).
 // Why and when it runs, the packing, and its error: nanovllm/kernels/cpu_gguf_vnni.py, which
 // compiles this file through torch Inductor's C++ code cache (-march=native, -ffp-contract=off)
 // after defining:
 //   ELEMENT_TYPE: x's and y's (float, at::BFloat16)
-//   Q4_TYPE: 0 for Q4_0 (w = d * (q - 8)), 1 for Q4_1 (w = d * q + m)
+//   GGUF_TYPE: 0 for Q4_0 (w = d * (q - 8)), 1 for Q4_1 (w = d * q + m), 2 for Q8_0 (w = d * q, q int8)
 //   TILE_M: rows of x per register tile; TILE_G: groups of 16 output rows (columns of y) per tile
 //
 // x is quantized here, per row and per 32 values along K (a GGUF block's span):
@@ -19,6 +19,9 @@
 // Per block and (row of x, row of W): dot = sum q_w q_x (exact in int32), then
 //   y += (d_w * d_x) * dot + m_w * s_x     (Q4_0: the -8 offset enters as dot's start, -8 sum q_x)
 // which is x_q @ dequant(W)^T, x_q = d_x * q_x, up to fp32 rounding in another summation order.
+// Q8_0 (the weights signed): blocks of [8 chunks][16 rows][4 bytes] int8 (chunk c holds k 4c..4c+3),
+// d f16 [16 rows], then -128 * sum q_w int32 [16 rows]; x enters vpdpbusd as u8 q_x + 128, and the
+// dot starts at -128 sum q_w, so that it ends at sum q_w q_x; y += (d_w * d_x) * dot.
 #include <Python.h>  // (first, as Python asks): only to let other Python threads run meanwhile
 
 #include <ATen/cpu/vec/vec.h>
@@ -42,9 +45,12 @@ namespace {
 
 constexpr int64_t BLOCK = 32;         // k values of a GGUF block (and of an x scale)
 constexpr int64_t GROUP = 16;         // output rows of a packed group: the int32 lanes of a vector
-constexpr int64_t NIBBLE_BYTES = BLOCK * GROUP / 2;
-constexpr int64_t GROUP_BLOCK_BYTES = NIBBLE_BYTES + (Q4_TYPE == 1 ? 2 : 1) * GROUP * 2;
-constexpr int64_t CHUNKS = NIBBLE_BYTES / 64;  // 64-byte loads per block, each two vectors of 4 k
+constexpr bool Q8 = GGUF_TYPE == 2;
+constexpr int64_t VALUE_BYTES = Q8 ? BLOCK * GROUP : BLOCK * GROUP / 2;  // a block's values (Q4: nibbles)
+// Q4_0: d; Q4_1: d, m (f16); Q8_0: d (f16), -128 * sum q (int32)
+constexpr int64_t GROUP_BLOCK_BYTES = VALUE_BYTES + (GGUF_TYPE == 0 ? 2 : GGUF_TYPE == 1 ? 4 : 6) * GROUP;
+constexpr int64_t CHUNKS = VALUE_BYTES / 64;  // 64-byte loads per block (Q4: each two vectors of 4 k)
+constexpr int X_OFFSET = Q8 ? 128 : 0;  // added to q_x where the weights are the signed operand
 constexpr float QMAX = 127.f;         // the largest |q_x|
 
 // x rows [m0, m0 + rows) as fp32 from ELEMENT_TYPE.
@@ -57,6 +63,15 @@ inline __m512 load16(const T* p) {
   }
 }
 
+// 16 floats -> bf16 bits, rounded to nearest even as c10::BFloat16's conversion (NaN: 0x7FC0).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // One row of x [k] -> q [k] int8, d [k / 32], s [k / 32] (d * sum q), or with Q4_0 qsum8 = -8 sum q.
 void quantize_row(const T* x, int8_t* q, float* d, float* s, int32_t* neg8sum, int64_t k) {
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
@@ -67,8 +82,9 @@ void quantize_row(const T* x, int8_t* q, float* d, float* s, int32_t* neg8sum, i
     const __m512 iv = _mm512_set1_ps(inv);
     // (the default rounding mode: to nearest, ties to even, as torch.round)
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+    const __m512i offset = _mm512_set1_epi32(X_OFFSET);  // (Q8_0: q_x + 128 as u8, 1..255)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK), _mm512_cvtepi32_epi8(_mm512_add_epi32(qlo, offset)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qhi, offset)));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     d[b] = amax / QMAX;
     s[b] = d[b] * static_cast<float>(sum);
@@ -90,40 +106,58 @@ void tile(const int8_t* xq, const float* dx, const float* sx, const int32_t* neg
     for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i dot[MR][NG];
-    for (int m = 0; m < MR; ++m)
-      for (int g = 0; g < NG; ++g)
-        dot[m][g] = Q4_TYPE == 0 ? _mm512_set1_epi32(neg8[(m0 + m) * blocks + b]) : _mm512_setzero_si512();
-    for (int c = 0; c < CHUNKS; ++c) {
-      __m512i lo[NG], hi[NG];
-      for (int g = 0; g < NG; ++g) {
-        const __m512i v = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + 64 * c);
-        lo[g] = _mm512_and_si512(v, low4);
-        hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
+    for (int g = 0; g < NG; ++g) {
+      const uint8_t* sp = wp[g] + b * GROUP_BLOCK_BYTES + VALUE_BYTES;
       for (int m = 0; m < MR; ++m) {
-        const int8_t* xm = xq + (m0 + m) * k + b * BLOCK + 4 * c;
-        int32_t a, h;
-        std::memcpy(&a, xm, 4);
-        std::memcpy(&h, xm + 16, 4);
-        const __m512i xa = _mm512_set1_epi32(a), xh = _mm512_set1_epi32(h);
+        if constexpr (Q8) dot[m][g] = _mm512_loadu_si512(sp + 2 * GROUP);  // -128 sum q_w
+        else if constexpr (GGUF_TYPE == 0) dot[m][g] = _mm512_set1_epi32(neg8[(m0 + m) * blocks + b]);
+        else dot[m][g] = _mm512_setzero_si512();
+      }
+    }
+    if constexpr (Q8) {
+      for (int c = 0; c < CHUNKS; ++c) {
+        __m512i v[NG];
+        for (int g = 0; g < NG; ++g) v[g] = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + 64 * c);
+        for (int m = 0; m < MR; ++m) {
+          int32_t a;
+          std::memcpy(&a, xq + (m0 + m) * k + b * BLOCK + 4 * c, 4);
+          const __m512i xa = _mm512_set1_epi32(a);
+          for (int g = 0; g < NG; ++g) dot[m][g] = _mm512_dpbusd_epi32(dot[m][g], xa, v[g]);
+        }
+      }
+    } else {
+      for (int c = 0; c < CHUNKS; ++c) {
+        __m512i lo[NG], hi[NG];
         for (int g = 0; g < NG; ++g) {
-          dot[m][g] = _mm512_dpbusd_epi32(dot[m][g], lo[g], xa);
-          dot[m][g] = _mm512_dpbusd_epi32(dot[m][g], hi[g], xh);
+          const __m512i v = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + 64 * c);
+          lo[g] = _mm512_and_si512(v, low4);
+          hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* xm = xq + (m0 + m) * k + b * BLOCK + 4 * c;
+          int32_t a, h;
+          std::memcpy(&a, xm, 4);
+          std::memcpy(&h, xm + 16, 4);
+          const __m512i xa = _mm512_set1_epi32(a), xh = _mm512_set1_epi32(h);
+          for (int g = 0; g < NG; ++g) {
+            dot[m][g] = _mm512_dpbusd_epi32(dot[m][g], lo[g], xa);
+            dot[m][g] = _mm512_dpbusd_epi32(dot[m][g], hi[g], xh);
+          }
         }
       }
     }
     __m512 dw[NG], mw[NG];
     for (int g = 0; g < NG; ++g) {
-      const uint8_t* sp = wp[g] + b * GROUP_BLOCK_BYTES + NIBBLE_BYTES;
+      const uint8_t* sp = wp[g] + b * GROUP_BLOCK_BYTES + VALUE_BYTES;
       dw[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp)));
-      if constexpr (Q4_TYPE == 1) mw[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + 32)));
+      if constexpr (GGUF_TYPE == 1) mw[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sp + 32)));
     }
     for (int m = 0; m < MR; ++m) {
       const __m512 d = _mm512_set1_ps(dx[(m0 + m) * blocks + b]);
       const __m512 s = _mm512_set1_ps(sx[(m0 + m) * blocks + b]);
       for (int g = 0; g < NG; ++g) {
         acc[m][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][g]), _mm512_mul_ps(dw[g], d), acc[m][g]);
-        if constexpr (Q4_TYPE == 1) acc[m][g] = _mm512_fmadd_ps(mw[g], s, acc[m][g]);
+        if constexpr (GGUF_TYPE == 1) acc[m][g] = _mm512_fmadd_ps(mw[g], s, acc[m][g]);
       }
     }
   }
@@ -134,9 +168,7 @@ void tile(const int8_t* xq, const float* dx, const float* sx, const int32_t* neg
       if constexpr (std::is_same_v<T, float>) {
         _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << valid) - 1), acc[m][g]);
       } else {
-        alignas(64) float f[GROUP];
-        _mm512_store_ps(f, acc[m][g]);
-        for (int64_t r = 0; r < valid; ++r) out[r] = static_cast<T>(f[r]);
+        _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << valid) - 1), to_bf16(acc[m][g]));
       }
     }
   }

@@ -1,4 +1,4 @@
-"""An int8 product for GGUF Q4_0 / Q4_1 weights and batches of rows, by AVX512-VNNI (not exact).
+"""An int8 product for GGUF Q4_0 / Q4_1 / Q8_0 weights and batches of rows, by AVX512-VNNI (not exact).
 
 oneDNN's packed bf16 product (kernels/cpu_gemm.py), which the GGUF 4-bit layers run above the Q4
 kernel's few rows (kernels/cpu_gguf_q4.py), multiplies at `vdpbf16ps`'s rate: 32 multiply-adds per
@@ -10,6 +10,10 @@ as llama.cpp's Q8_1 does for its own products), then per block
     y += (d_w * d_x) * dot(q_w, q_x) + m_w * d_x * sum(q_x)      (Q4_0: m_w = -8 d_w)
 in fp32. So the result is `quantize_x(x) @ dequant(W).T` up to fp32 rounding (exact integer dots),
 where quantize_x rounds each x to 8 bits of its block's largest value: NOT the product of x itself.
+Q8_0 weights are int8, the signed operand: x enters as q_x + 128 (u8) and each block's dot starts
+from -128 * sum(q_w), kept beside its scales. Measured for SmolLM2's tied Q8_0 LM head (49152 x 576)
+but not wired in: 8.85 against oneDNN bf16's 9.85 ms at 64 rows (RESULTS.md, nineteenth session),
+too little for int8 activations where the argmax is taken.
 `reference` computes the same in torch; the error against `x.float() @ dequant(W).T` and what it
 does to the engine's outputs: benchmarks/RESULTS.md "Int8 (VNNI) products for batches of GGUF 4-bit
 weights (nineteenth session)".
@@ -29,8 +33,9 @@ from nanovllm.utils import cpp_compiler
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
-Q4_TYPES = {"Q4_0": 0, "Q4_1": 1}            # Q4_TYPE of the C++
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # d f16 | (m f16) | 16 bytes of nibbles, 32 values
+GGUF_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}          # GGUF_TYPE of the C++
+# d f16 | (m f16) | 16 bytes of nibbles (Q4), or d f16 | 32 int8 (Q8_0): 32 values
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BLOCK = 32          # values of a GGUF block along the input, and of one x scale
 GROUP = 16          # output rows of a packed group (the C++'s GROUP: int32 lanes of a 512-bit vector)
 QMAX = 127          # the largest |q_x|
@@ -43,20 +48,23 @@ _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "l
 
 @dataclasses.dataclass(frozen=True)
 class PackedVNNI:
-    """A GGUF Q4_0 / Q4_1 weight [out_features, in_features] in the kernel's layout."""
+    """A GGUF Q4_0 / Q4_1 / Q8_0 weight [out_features, in_features] in the kernel's layout."""
     data: torch.Tensor   # [ceil(out / 16), in / 32, group block bytes] uint8
-    type_name: str       # "Q4_0" or "Q4_1"
+    type_name: str       # "Q4_0", "Q4_1" or "Q8_0"
     out_features: int
     in_features: int
 
 
 def group_block_bytes(type_name: str) -> int:
-    """Bytes of one packed (group, block): 16 rows x 16 nibble bytes, then f16 d (and m) of 16 rows."""
+    """Bytes of one packed (group, block): 16 rows x 16 nibble bytes, then f16 d (and m) of 16 rows;
+    Q8_0: 16 rows x 32 int8, f16 d and int32 -128 * sum q of 16 rows."""
+    if type_name == "Q8_0":
+        return BLOCK * GROUP + (2 + 4) * GROUP
     return BLOCK * GROUP // 2 + (2 if type_name == "Q4_1" else 1) * GROUP * 2
 
 
 def source_for(dtype: torch.dtype, type_name: str, tile_m: int = TILE_M, tile_g: int = TILE_G) -> str:
-    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "Q4_TYPE": Q4_TYPES[type_name], "TILE_M": tile_m, "TILE_G": tile_g}
+    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "GGUF_TYPE": GGUF_TYPES[type_name], "TILE_M": tile_m, "TILE_G": tile_g}
     return cpp_compiler.source(SOURCE, macros)
 
 
@@ -91,7 +99,7 @@ def runs_here() -> bool:
 
 def prepare(dtype: torch.dtype, type_name: str) -> bool:
     """Build the kernel for x's `dtype` and the weight's type now (engine start-up); whether it runs."""
-    return (cpu_has_vnni() and dtype in CPP_TYPES and type_name in Q4_TYPES
+    return (cpu_has_vnni() and dtype in CPP_TYPES and type_name in GGUF_TYPES
             and _build(dtype, type_name) is not None)
 
 
@@ -114,6 +122,14 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
     blocks = raw.reshape(n, nb, block_bytes)
     pad = torch.zeros(groups * GROUP - n, nb, block_bytes, dtype=torch.uint8)  # rows of q = d = m = 0
     blocks = torch.cat([blocks, pad]).reshape(groups, GROUP, nb, block_bytes)  # [groups, 16 rows, nb, bytes]
+    data = (_q8_0_groups if type_name == "Q8_0" else _q4_groups)(blocks, type_name)
+    assert data.shape[-1] == group_block_bytes(type_name)
+    return PackedVNNI(data, type_name, n, nb * BLOCK)
+
+
+def _q4_groups(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """[groups, 16 rows, nb, GGUF block bytes] Q4 -> [groups, nb, group block bytes]."""
+    groups, _, nb, _ = blocks.shape
     scales = 2 if type_name == "Q4_1" else 1
     # A GGUF block's byte j holds q[j] (low nibble) and q[16 + j] (high): the C++'s chunk c, row r,
     # byte j is that row's byte 4c + j, as stored.
@@ -121,9 +137,28 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
     nibbles = qs.permute(0, 2, 3, 1, 4).reshape(groups, nb, -1)                 # [groups, nb, c * rows * j]
     f16s = blocks[..., :2 * scales].reshape(groups, GROUP, nb, scales, 2)        # d (m) bytes per row
     f16s = f16s.permute(0, 2, 3, 1, 4).reshape(groups, nb, -1)                  # [groups, nb, scales * rows * 2]
-    data = torch.cat([nibbles, f16s], -1).contiguous()
-    assert data.shape[-1] == group_block_bytes(type_name)
-    return PackedVNNI(data, type_name, n, nb * BLOCK)
+    return torch.cat([nibbles, f16s], -1).contiguous()
+
+
+def _q8_0_groups(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """[groups, 16 rows, nb, 34] Q8_0 -> [groups, nb, group block bytes]."""
+    groups, _, nb, _ = blocks.shape
+    q = blocks[..., 2:].contiguous().view(torch.int8)                           # [groups, rows, nb, 32]
+    values = q.reshape(groups, GROUP, nb, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)  # [groups, nb, c, rows, 4]
+    d = blocks[..., :2].permute(0, 2, 1, 3)                                     # [groups, nb, rows, 2] f16 bytes
+    neg_sums = (-128 * q.int().sum(-1)).int().permute(0, 2, 1).contiguous()     # [groups, nb, rows] int32
+    return torch.cat([values.reshape(groups, nb, -1).view(torch.uint8), d.reshape(groups, nb, -1),
+                      neg_sums.view(torch.uint8).reshape(groups, nb, -1)], -1).contiguous()
+
+
+def q8_0_blocks(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A Q8_0 weight as kernels/cpu_q8_0.py keeps it (values int8 [n, k], scales fp32 [n, k / 32], each
+    an fp16 value) -> its GGUF rows [n, k / 32 * 34] uint8, for `pack`."""
+    n = values.shape[0]
+    d = scales.half().contiguous().view(torch.uint8).reshape(n, -1, 2)          # [n, nb, 2]
+    assert torch.equal(d.view(torch.float16).float().reshape(n, -1), scales), "scales are not fp16 values"
+    q = values.contiguous().view(torch.uint8).reshape(n, -1, BLOCK)             # [n, nb, 32]
+    return torch.cat([d, q], -1).reshape(n, -1)
 
 
 def vnni_linear(x: torch.Tensor, packed: PackedVNNI) -> torch.Tensor | None:
