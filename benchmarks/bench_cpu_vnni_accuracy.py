@@ -18,7 +18,14 @@ three engines:
    bf16 (and fp32 against bf16, for scale): identical sequences, and at each first divergence
    whether it is a near-tie (each side's token in the other's top-5, the rule tests/ use).
 
+3. with --per-layer only: each linear layer's relative RMS error against the fp32 product, on the
+   inputs it gets in the fp32 engine over the four passages (one prefill each), per layer shape
+   (mean and max over the 30 layers): the VNNI kernel's product (`cpu_gguf_vnni.reference`, which
+   the kernel equals to fp32 rounding: tests/test_cpu_gguf_vnni.py) and the bf16 product (x and
+   the weight rounded to bf16, as oneDNN's bf16 product multiplies them).
+
     python benchmarks/bench_cpu_vnni_accuracy.py --threads 2 [--chat-prompts 16] [--num-prompts 64]
+    python benchmarks/bench_cpu_vnni_accuracy.py --per-layer
 
 Prints one line per comparison and a final JSON line.
 """
@@ -35,7 +42,8 @@ from bench_cpu import chat_prompts  # noqa: E402
 from bench_cpu_int8_accuracy import agreement, diff_stats, greedy, teacher_forced  # noqa: E402
 from bench_fp8_kv_accuracy import PASSAGES  # noqa: E402
 
-from nanovllm import LLM  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.kernels import cpu_gguf_vnni  # noqa: E402
 from nanovllm.layers.quantization import gguf  # noqa: E402
 
 ENGINES = {"fp32": dict(quantization="gguf_dequant", dtype="float32"), "bf16": {}, "vnni": {}, "vnni_decode": {}}
@@ -57,14 +65,49 @@ def run(name: str, prompts: list[list[int]], forced_from: list | None, args) -> 
     return result
 
 
+@torch.inference_mode()
+def per_layer() -> dict:
+    """Per layer kind (qkv_proj, o_proj, gate_up_proj, down_proj): mean / max over layers and
+    passages of |y - exact| / |exact| (Frobenius), y the VNNI or the bf16 product."""
+    from nanovllm.layers.linear import LinearBase
+    llm = LLM(enable_prefix_caching=False, max_model_len=1024, **ENGINES["fp32"])
+    errors: dict[str, dict[str, list[float]]] = {}
+
+    def hook(name):
+        def record(module, inputs, output):
+            x, w = inputs[0].double(), module.weight.double()         # [tokens, in], [out, in]
+            exact = x @ w.T                                           # [tokens, out]
+            ys = {"vnni": cpu_gguf_vnni.reference(inputs[0], module.weight),
+                  "bf16": x.bfloat16().double() @ w.bfloat16().double().T}
+            kind = errors.setdefault(name.rsplit(".", 1)[-1], {"vnni": [], "bf16": []})
+            for k, y in ys.items():
+                kind[k].append(((y - exact).norm() / exact.norm()).item())
+        return record
+    handles = [m.register_forward_hook(hook(n)) for n, m in llm.llm_engine.model_runner.model.named_modules()
+               if isinstance(m, LinearBase)]
+    for passage in PASSAGES:
+        llm.generate([passage], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    for h in handles:
+        h.remove()
+    return {kind: {k: dict(mean=round(sum(v) / len(v), 5), max=round(max(v), 5)) for k, v in per.items()}
+            for kind, per in errors.items()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chat-prompts", type=int, default=16, help="B2 chat prompts (+ answers) teacher-forced")
     ap.add_argument("--num-prompts", type=int, default=64, help="B2 prompts for the greedy agreement")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-layer", action="store_true", help="only the per-layer errors (3.)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.per_layer:
+        result = dict(bench="cpu_vnni_accuracy_per_layer", passages=len(PASSAGES), rel_rms=per_layer())
+        for kind, row in result["rel_rms"].items():
+            print(kind, json.dumps(row), flush=True)
+        print(json.dumps(result))
+        return
     runs = {}
     probe = LLM(enable_prefix_caching=False, max_model_len=1024, **ENGINES["fp32"])
     prompts = chat_prompts(probe.get_tokenizer(), args.num_prompts)
