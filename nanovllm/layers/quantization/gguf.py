@@ -87,6 +87,9 @@ VNNI_PREFILL = False
 # 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 has no VNNI of
 # 512 bits: 0 (the int4 kernel and the dense product, as before).
 MAX_VNNI_ROWS = {"avx2": 0, "avx512_bf16": math.inf}
+# The layers' types it runs (its Q8_0 form was measured for the LM head only, not for layers, whose
+# Q8_0 kernel keeps its small batches: kernels/cpu_gguf_vnni.py)
+VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
 # Token counts up to which the Q8_0 kernel (kernels/cpu_q8_0.py) beats the dense product, per CPU
 # kind. AVX512-BF16: against oneDNN's packed bf16 product, two threads (benchmarks/RESULTS.md "Q8_0
 # kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
@@ -204,7 +207,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         loaded = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
         if loaded and self.max_q4_rows > 0 and len(types) == 1:
             self.q4 = self._pack_q4(layer, source.long(), next(iter(types)), cpu_gguf_q4)
-        if loaded and self.max_vnni_rows > 0 and len(types) == 1:
+        if loaded and self.max_vnni_rows > 0 and len(types) == 1 and types <= set(VNNI_GGUF_TYPES):
             self.vnni = self._pack_q4(layer, source.long(), next(iter(types)), cpu_gguf_vnni)
         int4 = (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
                 and cpu_int4.can_pack(*layer.weight.shape))
