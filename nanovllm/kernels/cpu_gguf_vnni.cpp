@@ -49,11 +49,12 @@ constexpr bool Q8 = GGUF_TYPE == 2;
 constexpr int64_t VALUE_BYTES = Q8 ? BLOCK * GROUP : BLOCK * GROUP / 2;  // a block's values (Q4: nibbles)
 // Q4_0: d; Q4_1: d, m (f16); Q8_0: d (f16), -128 * sum q (int32)
 constexpr int64_t GROUP_BLOCK_BYTES = VALUE_BYTES + (GGUF_TYPE == 0 ? 2 : GGUF_TYPE == 1 ? 4 : 6) * GROUP;
-constexpr int64_t CHUNKS = VALUE_BYTES / 64;  // 64-byte loads per block (Q4: each two vectors of 4 k)
+constexpr int64_t VECTOR_BYTES = 64;  // one 512-bit load
+constexpr int64_t CHUNKS = VALUE_BYTES / VECTOR_BYTES;  // loads per block (Q4: each two vectors of 4 k)
 constexpr int X_OFFSET = Q8 ? 128 : 0;  // added to q_x where the weights are the signed operand
 constexpr float QMAX = 127.f;         // the largest |q_x|
 
-// x rows [m0, m0 + rows) as fp32 from ELEMENT_TYPE.
+// 16 values of x from p, as fp32.
 inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
@@ -72,7 +73,8 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// One row of x [k] -> q [k] int8, d [k / 32], s [k / 32] (d * sum q), or with Q4_0 qsum8 = -8 sum q.
+// One row of x [k] -> q [k] int8 (Q8_0: q + 128 as u8), and per block d [k / 32], s [k / 32] (d * sum q),
+// neg8sum [k / 32] (-8 sum q, Q4_0's dot start).
 void quantize_row(const T* x, int8_t* q, float* d, float* s, int32_t* neg8sum, int64_t k) {
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < k / BLOCK; ++b) {
@@ -117,7 +119,7 @@ void tile(const int8_t* xq, const float* dx, const float* sx, const int32_t* neg
     if constexpr (Q8) {
       for (int c = 0; c < CHUNKS; ++c) {
         __m512i v[NG];
-        for (int g = 0; g < NG; ++g) v[g] = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + 64 * c);
+        for (int g = 0; g < NG; ++g) v[g] = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + VECTOR_BYTES * c);
         for (int m = 0; m < MR; ++m) {
           int32_t a;
           std::memcpy(&a, xq + (m0 + m) * k + b * BLOCK + 4 * c, 4);
@@ -129,7 +131,7 @@ void tile(const int8_t* xq, const float* dx, const float* sx, const int32_t* neg
       for (int c = 0; c < CHUNKS; ++c) {
         __m512i lo[NG], hi[NG];
         for (int g = 0; g < NG; ++g) {
-          const __m512i v = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + 64 * c);
+          const __m512i v = _mm512_loadu_si512(wp[g] + b * GROUP_BLOCK_BYTES + VECTOR_BYTES * c);
           lo[g] = _mm512_and_si512(v, low4);
           hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         }

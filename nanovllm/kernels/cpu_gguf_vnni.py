@@ -40,7 +40,10 @@ BLOCK = 32          # values of a GGUF block along the input, and of one x scale
 GROUP = 16          # output rows of a packed group (the C++'s GROUP: int32 lanes of a 512-bit vector)
 QMAX = 127          # the largest |q_x|
 # Register tile of the C++: TILE_M rows of x by TILE_G groups of 16 output rows (2 x TILE_M x TILE_G
-# of the 32 vector registers hold the int32 dots and fp32 sums).
+# of the 32 vector registers hold the int32 dots and fp32 sums). SmolLM2's 120 layers at 16 / 64 / 256
+# rows, bf16 x, two threads (benchmarks/bench_cpu_q4.py --kinds vnnibfMxG; RESULTS.md "Int8 (VNNI)
+# products ... (nineteenth session)"): 4x2 12.1 / 32.0 / 121.0 ms; 6x2, 5x2 and 4x3 within 5% of it;
+# 3x4 34.2 and 8x1 35.3 ms at 64 rows.
 TILE_M = 4
 TILE_G = 2
 _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "long"]  # kernel() in the .cpp
@@ -76,25 +79,24 @@ def _build(dtype: torch.dtype, type_name: str, tile_m: int = TILE_M, tile_g: int
 
 
 @functools.cache
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI and AVX512BW (the kernel's instructions)."""
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return {"avx512_vnni", "avx512bw", "avx512f"} <= set(flags)
+        return frozenset()
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI and AVX512BW (the kernel's instructions)."""
+    return {"avx512_vnni", "avx512bw", "avx512f"} <= _cpu_flags()
 
 
 def runs_here() -> bool:
     """Whether the engine should run it on this CPU: AVX512-VNNI, and no AMX (whose bf16 tiles
     oneDNN's bf16 product uses, at several times vpdpbusd's rate: not measured against it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return cpu_has_vnni() and "amx_bf16" not in flags
+    return cpu_has_vnni() and "amx_bf16" not in _cpu_flags()
 
 
 def prepare(dtype: torch.dtype, type_name: str) -> bool:
