@@ -330,10 +330,10 @@ def main():
                     help="print the triton_attn constants (JSON) of the variant with the least attention "
                          "time among LOG's results for --kv-cache-dtype, then exit")
     args = ap.parse_args()
-    if args.best:
-        return print_best(args.best, args.kv_cache_dtype)
     for name, constants in json.loads(args.extra_variants).items():
         VARIANTS[name] = (constants, "tokens_major", "longest_first")
+    if args.best:  # (give --extra-variants too where the log has some)
+        return print_best(args.best, args.kv_cache_dtype)
     global NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM
     NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = SHAPES[args.shape]
     t0 = time.perf_counter()

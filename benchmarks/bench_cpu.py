@@ -125,21 +125,33 @@ def linear_weights(llm) -> tuple[list[torch.nn.Module], torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, LinearBase)], model.lm_head
 
 
+def _step_context(decode: bool):
+    """A forward pass's context with no attention metadata: the products that choose their kernel
+    by the step's kind (layers/quantization/gguf.py: decode steps by the VNNI kernel) see `decode`."""
+    from nanovllm.utils.context import Context, set_context
+    empty = torch.empty(0, dtype=torch.int32)
+    return set_context(Context(slot_mapping=empty.long(), cu_seqlens_q=empty, seq_lens_k=empty,
+                               block_tables=empty.view(0, 0), max_seqlen_q=1, max_seqlen_k=1, is_decode_only=decode))
+
+
 @torch.inference_mode()
-def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: int, sampled_rows: int) -> float:
+def matmul_seconds(layers: list[torch.nn.Module], head: torch.nn.Module, rows: int, sampled_rows: int,
+                   decode: bool = False) -> float:
     """Fastest time of one step's matrix products: every linear on `rows` tokens, the head on
-    `sampled_rows` (the fastest, as a floor should be: slower timings are the machine's noise)."""
+    `sampled_rows` (the fastest, as a floor should be: slower timings are the machine's noise), in a
+    decode step if `decode`, else a prefill."""
     # (a head that reads Q8_0 blocks may keep no dense weight: layers/embed_head.py)
     dtype = head.weight.dtype if head.weight is not None else head.q8_dtype
     xs = {m.input_size: torch.randn(rows, m.input_size, dtype=dtype) for m in layers}
     h = torch.randn(sampled_rows, (head.q8_weight if head.weight is None else head.weight).shape[1], dtype=dtype)
     times = []
     for _ in range(FLOOR_REPEATS):
-        start = time.perf_counter()
-        for m in layers:
-            m.quant_method.apply(m, xs[m.input_size], None)
-        head(h)  # its own choice of product (dense, packed, int8 or Q8_0 by the row count)
-        times.append(time.perf_counter() - start)
+        with _step_context(decode):
+            start = time.perf_counter()
+            for m in layers:
+                m.quant_method.apply(m, xs[m.input_size], None)
+            head(h)  # its own choice of product (dense, packed, int8 or Q8_0 by the row count)
+            times.append(time.perf_counter() - start)
     return min(times)
 
 
@@ -149,7 +161,7 @@ def matmul_floor(llm, prompts: list[list[int]], new_tokens: int) -> float:
     mats, head = linear_weights(llm)
     n = len(prompts)
     prefill = matmul_seconds(mats, head, sum(map(len, prompts)), n)
-    return prefill + (new_tokens - 1) * matmul_seconds(mats, head, n, n)
+    return prefill + (new_tokens - 1) * matmul_seconds(mats, head, n, n, decode=True)
 
 
 # ---- the anchors: vLLM's CPU backend and llama.cpp, in venvs of their own --------------------

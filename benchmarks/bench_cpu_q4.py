@@ -9,6 +9,8 @@ step: benchmarks/bench_cpu_gemm.py's shapes) at M rows, with each kernel:
   q4 itself prefetches cpu_gguf_q4.PREFETCH_BYTES ahead)
 - int4: torch's `_weight_int4pack_mm_for_cpu` on the same GGUF blocks as the engine packs them
   (kernels/cpu_int4.py: bf16 activations, bf16 scales and zeros), bf16 x
+- vnni: the int8 VNNI kernel for batches (kernels/cpu_gguf_vnni.py; x quantized to int8 per 32), fp32
+  x; vnnibf: bf16 x; vnnibfMxG: bf16 x, the kernel built with TILE_M = M, TILE_G = G
 - dnnbf: oneDNN's bf16 `_linear_pointwise` on the dequantized weight packed once (kernels/cpu_gemm.py)
 
 The kernels alternate within each repeat (a busy machine slows all of them alike); medians are
@@ -16,6 +18,7 @@ printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights oc
 
     python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 2 4 8 --kinds q4 q4bf int4 dnnbf
     python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 --kinds q4 q4pf0 q4pf1024 --type Q4_0
+    python benchmarks/bench_cpu_q4.py --threads 2 --rows 16 64 256 --kinds vnnibf dnnbf --repeats 7
     python benchmarks/bench_cpu_q4.py --rows 1 2 4 8 --repeats 3 --accuracy   (errors against x @ dequant(W)^T)
 
 Prints one line per row count and a final JSON line.
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_cpu_gemm import LAYER_SHAPES, NUM_LAYERS, _dnn, median  # noqa: E402
-from nanovllm.kernels import cpu_gemm, cpu_gguf_q4, cpu_int4  # noqa: E402
+from nanovllm.kernels import cpu_gemm, cpu_gguf_q4, cpu_gguf_vnni, cpu_int4  # noqa: E402
 from nanovllm.utils import cpp_compiler  # noqa: E402
 from nanovllm.utils.dequant import dequantize  # noqa: E402
 
@@ -68,6 +71,19 @@ def prepare(kind: str, raws: list[torch.Tensor], type_name: str):
         assert all(p is not None for p in packs), "no C++ compiler"
         fn = _q4_prefetched(int(kind[4:]), type_name) if kind.startswith("q4pf") else cpu_gguf_q4.q4_linear
         return packs, fn, kind == "q4bf", sum(p.data.nbytes for p in packs)
+    if kind.startswith("vnni"):
+        packs = [cpu_gguf_vnni.pack(r, type_name) for r in raws]
+        assert all(p is not None for p in packs), "no AVX512-VNNI or no C++ compiler"
+        fn = cpu_gguf_vnni.vnni_linear
+        if "x" in kind:  # vnnibfMxG: another register tile
+            tile_m, tile_g = (int(v) for v in kind[len("vnnibf"):].split("x"))
+            built = cpu_gguf_vnni._build(torch.bfloat16, type_name, tile_m, tile_g)
+
+            def fn(x, p, built=built):
+                y = torch.empty(x.shape[0], p.out_features, dtype=x.dtype)
+                built(x.contiguous(), p.data, y, x.shape[0], p.out_features, p.in_features, torch.get_num_threads())
+                return y
+        return packs, fn, kind.startswith("vnnibf"), sum(p.data.nbytes for p in packs)
     if kind == "int4":
         packs = [cpu_int4.pack_int4(*cpu_int4.gguf_int4_affine(r, type_name), torch.bfloat16) for r in raws]
         return packs, lambda x, w: cpu_int4.int4_linear(x, *w), True, sum(a.nbytes + b.nbytes for a, b in packs)

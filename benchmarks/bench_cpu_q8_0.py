@@ -12,6 +12,7 @@ as the 30 layers of a real step do rather than sit in cache. The kernels alterna
 repeat, so a busy machine slows both alike; medians are printed.
 
     python benchmarks/bench_cpu_q8_0.py --threads 2 --rows 1 2 4 8 16
+    python benchmarks/bench_cpu_q8_0.py --threads 2 --block 16 --shapes 2048x2048 8192x2048 2048x8192 --rows 1 2 4
 
 Prints one line per (shape, rows) and a final JSON line.
 """
@@ -28,10 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import cpu_gemm, cpu_q8_0  # noqa: E402
 
 
-def _weights(n: int, k: int, copies: int):
+def _weights(n: int, k: int, copies: int, block: int = cpu_q8_0.BLOCK):
     out = []
     for _ in range(copies):
-        q8 = cpu_q8_0.quantize(torch.randn(n, k) * 0.05)
+        if block == cpu_q8_0.BLOCK:
+            q8 = cpu_q8_0.quantize(torch.randn(n, k) * 0.05)
+        else:  # a Q6_K-like weight: 6-bit values, one scale per `block`
+            q8 = cpu_q8_0.Q8Weight(torch.randint(-32, 32, (n, k), dtype=torch.int8), torch.rand(n, k // block) * 1e-3)
         out.append((q8, cpu_gemm.pack(q8.dequantize().bfloat16())))
     return out
 
@@ -42,8 +46,8 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_shape(n: int, k: int, rows: list[int], copies: int, repeats: int) -> list[dict]:
-    weights = _weights(n, k, copies)
+def bench_shape(n: int, k: int, rows: list[int], copies: int, repeats: int, block: int) -> list[dict]:
+    weights = _weights(n, k, copies, block)
     results = []
     for m in rows:
         x = torch.randn(m, k).bfloat16()
@@ -57,7 +61,7 @@ def bench_shape(n: int, k: int, rows: list[int], copies: int, repeats: int) -> l
                 times["dnnbf"].append(t_dnn)
         med = {kind: statistics.median(t) * 1e3 for kind, t in times.items()}
         q8_bytes = weights[0][0].nbytes
-        row = {"shape": [n, k], "rows": m, "q8_ms": round(med["q8"], 4), "dnnbf_ms": round(med["dnnbf"], 4),
+        row = {"shape": [n, k], "block": block, "rows": m, "q8_ms": round(med["q8"], 4), "dnnbf_ms": round(med["dnnbf"], 4),
                "q8_GBps": round(q8_bytes / med["q8"] / 1e6, 1), "dnnbf_GBps": round(2 * n * k / med["dnnbf"] / 1e6, 1)}
         print(f"{n}x{k} M={m}: q8 {row['q8_ms']:.3f} ms ({row['q8_GBps']} GB/s)  dnnbf {row['dnnbf_ms']:.3f} ms "
               f"({row['dnnbf_GBps']} GB/s)", flush=True)
@@ -73,15 +77,17 @@ def main() -> None:
                         help="out x in of each weight")
     parser.add_argument("--copies", type=int, default=8, help="weights per shape, used in turn")
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--block", type=int, default=cpu_q8_0.BLOCK, choices=sorted(set(cpu_q8_0.BLOCK_OF.values())),
+                        help="values per scale: 32 (Q8_0), 16 (Q6_K's groups)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not cpu_q8_0.built(torch.bfloat16):
+    if not cpu_q8_0.built(torch.bfloat16, args.block):
         raise SystemExit("the Q8_0 kernel could not be built here (no C++ compiler?)")
     results = []
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         copies = 2 if n * k > 8_000_000 else args.copies  # the head alone is larger than the L3
-        results += bench_shape(n, k, args.rows, copies, args.repeats)
+        results += bench_shape(n, k, args.rows, copies, args.repeats, args.block)
     print(json.dumps({"threads": args.threads, "results": results}))
 
 

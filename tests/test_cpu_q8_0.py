@@ -132,6 +132,7 @@ def test_q8_0_model_keeps_blocks_and_drops_dense_weights(q8_gguf):
     model = _model(_llm(q8_gguf, dtype="bfloat16"))
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert layers and all(m.quant_method.q8 is not None for m in layers)
+    assert all(m.quant_method.vnni is None for m in layers)  # Q8_0 layers: no VNNI pack (gguf.VNNI_GGUF_TYPES)
     assert model.model.embed_tokens.q8_weight is not None and model.lm_head.q8_weight is not None
     assert model.lm_head.q8_dtype == model.model.embed_tokens.q8_dtype == torch.bfloat16
     if hasattr(model.lm_head, "packed_weight"):  # oneDNN packs bf16 here: nothing reads the dense copies

@@ -130,6 +130,11 @@ VARIANTS = {
     "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2,
                               DECODE_FMA_MAX_GROUP=8), "heads_major", "key_minor", ["decode_split3"]),
     "fma_pv16": (dict(DECODE_FMA_FP8=True, DECODE_FMA_PV_FP16=True), "plain", "plain", ["decode_gqa2_split2"]),
+    # P V summed over all keys each tile (one partial sum), the loop's loads not pipelined (one stage)
+    "fma_rows1": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_ACC_ROWS=1), "plain", "plain",
+                  ["decode_gqa2_split2", "decode_gqa3_d40"]),
+    "fma_s1": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_NUM_STAGES=1), "plain", "plain",
+               ["decode_gqa2_split2"]),
     "fma_acc2d": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_ACC_2D=True), "plain", "plain",
                   ["decode_gqa2_split2"]),
 }

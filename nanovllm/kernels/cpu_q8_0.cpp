@@ -1,11 +1,12 @@
-// y[M, N] = x[M, K] @ (q * d)^T for a weight of GGUF Q8_0 blocks, read as stored: int8 values q
-// [N, K] and one float scale d per 32 values [N, K / 32]. Why and when it runs:
-// nanovllm/kernels/cpu_q8_0.py, which compiles this file through torch Inductor's C++ code cache
-// (-ffp-contract=off) after defining:
+// y[M, N] = x[M, K] @ (q * d)^T for a weight of int8 values and block scales (GGUF Q8_0, Q6_K),
+// read as stored: int8 values q [N, K] and one float scale d per SCALE_BLOCK values [N, K / SCALE_BLOCK].
+// Why and when it runs: nanovllm/kernels/cpu_q8_0.py, which compiles this file through torch
+// Inductor's C++ code cache (-ffp-contract=off) after defining:
 //   ELEMENT_TYPE: x's and y's element type (float, at::BFloat16)
+//   SCALE_BLOCK: values per scale (32: Q8_0; 16: Q6_K)
 //
-// Each weight vector is dequantized in registers (int8 -> float, times its block's scale: exact in
-// fp32, as q * d has at most 8 + 11 significant bits) and multiplied into fp32 accumulators, so the
+// Each weight vector is dequantized in registers (int8 -> float, times its block's scale: one fp32
+// rounding, as gguf's dequantization rounds d * q) and multiplied into fp32 accumulators, so the
 // result is x.float() @ dequantize(W)^T in another summation order, rounded to ELEMENT_TYPE once.
 // Rows of W are taken NR at a time and rows of x MR at a time (MR x NR accumulator vectors), each
 // W vector converted once per MR rows of x; the threads split N.
@@ -25,7 +26,7 @@ namespace {
 
 #include "cpu_vec_floats.h"  // Vec, W, load_floats
 
-constexpr int64_t BLOCK = 32;  // values per Q8_0 block (one scale each)
+constexpr int64_t BLOCK = SCALE_BLOCK;  // values per block (one scale each)
 constexpr int64_t NR = 2;      // rows of W per tile
 constexpr int64_t MAX_MR = 8;  // rows of x per tile: MR x NR accumulators + NR weights + 1 x in 19 registers
 // Rows of W one thread takes at a time (a multiple of NR): 64 rows of 576 int8 are 36 KB, and
@@ -121,10 +122,10 @@ void rows(const float* x, const int8_t* q, const float* d, T* y, int64_t M, int6
 
 }  // namespace
 
-// x [M, K] (T), q [N, K] int8, d [N, K / 32] float, y [M, N] (T); K a multiple of 32, all contiguous.
+// x [M, K] (T), q [N, K] int8, d [N, K / BLOCK] float, y [M, N] (T); K a multiple of BLOCK, all contiguous.
 void kernel(const T* x, const int8_t* q, const float* d, T* y, int64_t M, int64_t N, int64_t K,
             int64_t num_threads) {
-  if (K % BLOCK) throw std::invalid_argument("K is not a whole number of Q8_0 blocks");
+  if (K % BLOCK) throw std::invalid_argument("K is not a whole number of blocks");
   Py_BEGIN_ALLOW_THREADS  // no Python object is touched below
   std::vector<float> xf(M * K);  // x as fp32 rows, read by every thread
   for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);

@@ -1,41 +1,54 @@
-"""CPU products by GGUF Q8_0 weights read as stored (int8 values, one scale per 32), in C++.
+"""CPU products by GGUF weights whose values are int8 with one scale per 32 or 16 values (Q8_0, Q6_K),
+read as stored, in C++.
 
-A Q8_0 block is 32 int8 values q and one fp16 scale d (value = d * q). At load the blocks are
-rearranged into `Q8Weight`: the values as int8 [out, in] and the scales as fp32 [out, in / 32]
-(`from_gguf_blocks`), 1.125 bytes per weight against bf16's 2. `q8_0_linear` multiplies small
-batches by it (cpu_q8_0.cpp): each weight vector is dequantized in registers, exactly (d * q has at
-most 19 significant bits), and multiplied into fp32 accumulators, so the result is
-`x.float() @ dequantize(W).T` in another summation order, rounded once to x's dtype (fp32 or bf16).
-A matrix-vector product is bound by the bytes it reads, so one row runs in about half the time of
-the bf16 dense product (benchmarks/RESULTS.md "Q8_0 kept quantized on the CPU"); larger batches
-become bound by the conversions and run the dense oneDNN product (the callers' crossover).
+A Q8_0 block is 32 int8 values q and one fp16 scale d (value = d * q); a Q6_K super-block is 256
+6-bit values in 16 groups of 16, each group with an int8 scale s beside the super-block's fp16 d
+(value = d * s * (q - 32)). Each is, exactly, int8 values times one fp32 scale per block of 32
+(Q8_0) or 16 (Q6_K) values. At load the blocks are
+rearranged into `Q8Weight`: the values as int8 [out, in] and the scales as fp32 [out, in / block]
+(`from_gguf`), 1.125 (block 32) or 1.25 (block 16) bytes per weight against bf16's 2. `q8_0_linear`
+multiplies small batches by it (cpu_q8_0.cpp, built per block size): each weight vector is
+dequantized in registers (q * scale, one fp32 rounding, as gguf's own dequantization rounds) and
+multiplied into fp32 accumulators, so the result is `x.float() @ dequantize(W).T` in another
+summation order, rounded once to x's dtype (fp32 or bf16). A matrix-vector product is bound by the
+bytes it reads, so one row runs in about half the time of the bf16 dense product
+(benchmarks/RESULTS.md "Q8_0 kept quantized on the CPU"); larger batches become bound by the
+conversions and run the dense oneDNN product (the callers' crossover).
 
 `embedding` reads rows of the same weight (a token embedding tied to its LM head), dequantized.
 
 Built like the other C++ kernels (kernels/cpu_small_ops.py): `utils/cpp_compiler.build`, one
-library per dtype, kept for later processes; `prepare` builds them at start-up. Without a C++
-compiler (and no library built before) `built` is False and the callers keep their dense weights.
+library per dtype and block size, kept for later processes; `prepare` builds them at start-up.
+Without a C++ compiler (and no library built before) `built` is False and the callers keep their
+dense weights.
 """
 import functools
 from pathlib import Path
 
 import torch
 
-from nanovllm.utils import cpp_compiler
+from nanovllm.utils import cpp_compiler, dequant
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
 ARG_TYPES = ["const {t}*", "const int8_t*", "const float*", "{t}*", "long", "long", "long", "long"]
 BLOCK = 32          # values per Q8_0 block
 BLOCK_BYTES = 34    # fp16 scale + 32 int8 values (ggml-common.h's block_q8_0)
+# GGUF types read as int8 values and fp32 scales -> values per scale
+BLOCK_OF = {"Q8_0": BLOCK, "Q6_K": 16}
+# the bytes of a Q6_K block that hold its int8 group scales and its fp16 d (ggml-common.h's block_q6_K)
+Q6_K_SCALES, Q6_K_D = slice(192, 208), slice(208, 210)
+ONE_F16 = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)  # fp16 1.0 as its two bytes
 
 
 class Q8Weight:
-    """A Q8_0 weight in the kernel's layout: values int8 [out, in], scales fp32 [out, in / 32]."""
+    """A weight in the kernel's layout: values int8 [out, in], scales fp32 [out, in / block] (one per
+    `block` values: 32 or 16)."""
 
     def __init__(self, values: torch.Tensor, scales: torch.Tensor):
-        assert values.dtype == torch.int8 and scales.dtype == torch.float32
-        assert values.shape[1] == scales.shape[1] * BLOCK and values.shape[0] == scales.shape[0]
+        assert values.dtype == torch.int8 and scales.dtype == torch.float32 and values.shape[0] == scales.shape[0]
+        self.block = values.shape[1] // max(scales.shape[1], 1)
+        assert self.block in BLOCK_OF.values() and values.shape[1] == scales.shape[1] * self.block
         self.values, self.scales = values.contiguous(), scales.contiguous()
 
     @property
@@ -60,7 +73,27 @@ class Q8Weight:
 
     def dequantize(self) -> torch.Tensor:
         """The weight's values as fp32 [out, in] (exact: what the kernel multiplies by)."""
-        return self.values.float() * self.scales.repeat_interleave(BLOCK, dim=1)
+        return self.values.float() * self.scales.repeat_interleave(self.block, dim=1)
+
+
+def from_gguf(raw: torch.Tensor, type_name: str) -> Q8Weight:
+    """raw: [rows, bytes_per_row] uint8, each row a run of `type_name` blocks (a BLOCK_OF type) -> its
+    Q8Weight. Q6_K values are the loader's own dequantization of the blocks with their scales set
+    to 1 (the integers q - 32, exactly), their scales d * s from the blocks' bytes (exact in fp32)."""
+    if type_name == "Q8_0":
+        return from_gguf_blocks(raw)
+    assert type_name == "Q6_K", f"{type_name} is not read as int8 values"
+    block_values, block_bytes, dequantize_blocks = dequant.QUANT_TYPES[type_name]
+    rows = raw.shape[0]
+    if raw.shape[1] % block_bytes:
+        raise ValueError(f"a {type_name} row of {raw.shape[1]} bytes is not a whole number of blocks")
+    blocks = raw.contiguous().view(-1, block_bytes)                               # [rows * blocks, 210]
+    unit = blocks.clone()
+    unit[:, Q6_K_SCALES], unit[:, Q6_K_D] = 1, ONE_F16
+    values = dequantize_blocks(unit).to(torch.int8).reshape(rows, -1)             # [rows, in]
+    d = blocks[:, Q6_K_D].contiguous().view(torch.float16).float()                # [rows * blocks, 1]
+    scales = d * blocks[:, Q6_K_SCALES].contiguous().view(torch.int8).float()     # [rows * blocks, 16]
+    return Q8Weight(values, scales.reshape(rows, -1))
 
 
 def from_gguf_blocks(raw: torch.Tensor) -> Q8Weight:
@@ -86,21 +119,23 @@ def quantize(w: torch.Tensor) -> Q8Weight:
 
 
 @functools.cache
-def _build(dtype: torch.dtype):
-    """The built function for `dtype`, or None (no compiler and no library built before)."""
-    source = cpp_compiler.source(SOURCE, {"ELEMENT_TYPE": CPP_TYPES[dtype]})
+def _build(dtype: torch.dtype, block: int = BLOCK):
+    """The built function for `dtype` and `block` values a scale, or None (no compiler and no library
+    built before)."""
+    source = cpp_compiler.source(SOURCE, {"ELEMENT_TYPE": CPP_TYPES[dtype], "SCALE_BLOCK": block})
     return cpp_compiler.build(source, [t.format(t=CPP_TYPES[dtype]) for t in ARG_TYPES])
 
 
-def built(dtype: torch.dtype) -> bool:
-    """Whether the kernel runs for activations of `dtype` here (built now if not yet)."""
-    return dtype in CPP_TYPES and _build(dtype) is not None
+def built(dtype: torch.dtype, block: int = BLOCK) -> bool:
+    """Whether the kernel runs for activations of `dtype` and `block` values a scale here (built now
+    if not yet)."""
+    return dtype in CPP_TYPES and _build(dtype, block) is not None
 
 
 def q8_0_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """x [num_tokens, in] (fp32 or bf16, CPU) @ dequantize(weight).T -> [num_tokens, out] in x's
-    dtype, accumulated in fp32. The caller checks `built(x.dtype)`."""
-    fn = _build(x.dtype)
+    dtype, accumulated in fp32. The caller checks `built(x.dtype, weight.block)`."""
+    fn = _build(x.dtype, weight.block)
     assert fn is not None, "q8_0_linear called where the kernel is not built"
     x = x.contiguous()
     m, k = x.shape
@@ -119,6 +154,6 @@ def embedding(ids: torch.Tensor, weight: Q8Weight, dtype: torch.dtype) -> torch.
     ~41 us for 64 against ~5 us for `F.embedding` on the bf16 copy (two threads, the 49152 x 576
     SmolLM2 embedding, the AVX512 VM of benchmarks/RESULTS.md "Q8_0 kept quantized on the CPU")."""
     n = ids.shape[0]
-    values = weight.values.index_select(0, ids).view(n, -1, BLOCK)           # [n, blocks, 32] int8
+    values = weight.values.index_select(0, ids).view(n, -1, weight.block)    # [n, blocks, block] int8
     scales = weight.scales.index_select(0, ids).unsqueeze(-1)                # [n, blocks, 1]
     return torch.mul(values, scales).to(dtype).view(n, -1)                   # [n, in]

@@ -185,21 +185,31 @@ DECODE_FP8_PV_MMA = False
 # against the tensor-core tile's 3.092 (0.567), and B1 ran at 29,706 tok/s on its first call
 # against 28,464 (RESULTS.md "Twelfth session"); the fp8 tensor-core options above, where one is
 # set, take precedence. Off for 16-bit caches: 4.623 s against the tensor-core tile's 3.736.
-# Tiles: 32 keys, 1 warp, 3 stages replayed fastest of 9 (16/64 keys 12-15% slower, 2 warps
-# 1.6-2.6x slower); 32 programs per multiprocessor (1-warp programs) 6% faster than 8.
+# Tiles (B1's fp8 decode attention replayed, RESULTS.md "Nineteenth session"): 16 keys, 1 warp, the
+# loop's loads pipelined over 3 stages (`tl.range(num_stages=...)`: cp.async into shared memory, where
+# the loads had gone straight to registers, each tile waiting on its own), P V summed into
+# DECODE_FMA_ACC_ROWS partial sums: 2.340 s (0.738 of copy bandwidth) against 2.801 (0.617) for the
+# former 32 keys, 1 stage, one sum; 32 keys with 2 / 3 / 4 stages 2.681 / 2.682 / 2.969, 64 keys 5.094.
+# 2 warps were 1.6-2.6x slower; 32 programs per multiprocessor (1-warp programs) 6% faster than 8.
 DECODE_FMA_FP8 = True
 DECODE_FMA_16BIT = False
-DECODE_FMA_BLOCK_N = 32
+DECODE_FMA_BLOCK_N = 16
 DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
 DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TARGET_PROGRAMS_PER_SM's)
 DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
+# P V summed per tile into DECODE_FMA_ACC_ROWS partial sums, rows r, r + ROWS, r + 2 ROWS, ... of the
+# tile each (the rows one thread holds: an fp8 tile's 16-byte rows put 4 threads along the keys),
+# added together once at the end, instead of summed over all keys each tile: the sum within a thread
+# stays, the shuffles across threads go (32-key tile, offline for sm_90: 1,396 instructions a tile
+# against 1,524; replayed 2.564 s against 2.684; 8 sums 2.767).
+DECODE_FMA_ACC_ROWS = 4
 # A tile's P V in fp16 (packed, two products an instruction; the fp8 values are exact in fp16,
 # p rounded to fp16 as the tensor-core tile rounds it) before it joins the fp32 accumulator,
 # instead of fp32 (each value converted once more). Fp8 caches only. Off: 7% fewer instructions
 # a tile and 130 registers instead of 168, but B1's fp8 attention replayed in 3.126 s against
 # 2.844 (2.824 with DECODE_FMA_MAXNREG = 128: within 1%), B1 28,253 tok/s (RESULTS.md "Twelfth
-# session", call 5).
+# session", call 5); P V in fp16 takes one partial sum.
 DECODE_FMA_PV_FP16 = False
 DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed as fast, 96 slower)
 # Query heads per KV head up to which decodes take the CUDA-core kernel: it computes two heads a
@@ -782,13 +792,15 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                         DECODE_FMA_PROGRAMS_PER_SM)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
+    pv_fp16 = DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D
+    assert DECODE_FMA_BLOCK_N % DECODE_FMA_ACC_ROWS == 0, "a tile's rows split evenly into the partial sums"
     triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
         *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                       scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
         QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
-        PV_FP16=DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D,
+        PV_FP16=pv_fp16, LOOP_STAGES=DECODE_FMA_NUM_STAGES, ACC_ROWS=1 if pv_fp16 or DECODE_FMA_ACC_2D else DECODE_FMA_ACC_ROWS,
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
         **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}), **launch_options(q.device))
     if num_splits > 1:

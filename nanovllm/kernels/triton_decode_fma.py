@@ -9,12 +9,14 @@ transposed) is where its time goes, and it reads the cache at about half the cop
 
 Here each K/V tile is converted to fp32 in the registers it was loaded into and used there:
 s = sum_d q[h, d] * k[n, d] and o[h, d] += sum_n p[h, n] * v[n, d] are multiply-adds over the
-loaded layout plus reductions across the threads that share a row; nothing goes through
-shared memory except the reductions Triton places there when a tile spans several warps (one
-warp per program avoids them: DECODE_FMA_NUM_WARPS). Over B1's fp8 decode batches on an H200
-it read the cache at 0.61 of copy bandwidth against the tensor-core tile's 0.56; its machine
-code spends a 32-key tile on 498 FFMA, 384 conversions (1.5 a value) and 268 SHFL and FADD
-(mostly the reductions; benchmarks/RESULTS.md "Twelfth session").
+loaded layout plus reductions across the threads that share a row (P V's only at the end:
+ACC_ROWS partial sums, one per row a thread holds). The loop's K/V loads are pipelined
+(LOOP_STAGES: cp.async into shared memory, tiles ahead of the one in use); nothing else goes
+through shared memory except the reductions Triton places there when a tile spans several
+warps (one warp per program avoids them: DECODE_FMA_NUM_WARPS). Over B1's fp8 decode batches
+on an H200 it reads the cache at 0.74 of copy bandwidth (16-key tiles, 3 stages; 0.61 before
+the pipelined loads and partial sums) against the tensor-core tile's 0.56 (benchmarks/RESULTS.md
+"Twelfth session", "Nineteenth session").
 
 Same arguments and semantics as `triton_attn.paged_attention` for a decode-only batch (one
 query per sequence; a sequence with none writes nothing), split-KV included: a split writes
@@ -48,8 +50,9 @@ def _softmax_step(s, m_i, l_i, positions, ctx_len, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr):
-    """acc * alpha + p V: acc [D], or [BLOCK_N, D] with the sum over keys left to the end.
+def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr, ACC_ROWS: tl.constexpr):
+    """acc * alpha + p V: acc [D]; [ACC_ROWS, D], the tile's rows r, r + ACC_ROWS, ... summed into row
+    r (within a thread: the rows it holds); or [BLOCK_N, D], the sum over keys left to the end.
     PV_FP16: v [BLOCK_N, D] fp16, the tile's products and their sum over keys in fp16 (packed
     two a instruction), added to the fp32 accumulator."""
     if PV_FP16:
@@ -57,6 +60,9 @@ def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr)
         return acc * alpha + pv.to(tl.float32)
     if ACC_2D:
         return acc * alpha + p[:, None] * v
+    if ACC_ROWS > 1:
+        pv = p[:, None] * v
+        return acc * alpha + tl.sum(tl.reshape(pv, [pv.shape[0] // ACC_ROWS, ACC_ROWS, pv.shape[1]]), 0)
     return acc * alpha + tl.sum(p[:, None] * v, 0)
 
 
@@ -66,7 +72,7 @@ def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr,
-                 PV_FP16: tl.constexpr):
+                 PV_FP16: tl.constexpr, ACC_ROWS: tl.constexpr):
     """One online-softmax step of the program's two query heads over KV tile `tile`.
     q0, q1 [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`. Written per
     head on 2-D tiles only: the scores come out in the layout of the tile's rows, which is the
@@ -81,8 +87,8 @@ def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED).to(tl.float16 if PV_FP16 else tl.float32)  # [BLOCK_N, D]
-    acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D, PV_FP16)
-    acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D, PV_FP16)
+    acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D, PV_FP16, ACC_ROWS)
+    acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D, PV_FP16, ACC_ROWS)
     return acc0, acc1, m0, m1, l0, l1
 
 
@@ -129,7 +135,7 @@ def decode_fma_kernel(
         QPK: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
-        PDL: tl.constexpr):
+        LOOP_STAGES: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
     query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
     more than two query heads reads its K/V once per pair (for groups of 4, B1 on the Qwen3-8B
@@ -163,21 +169,23 @@ def decode_fma_kernel(
     l1 = l0
     if ACC_2D:
         acc0 = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    elif ACC_ROWS > 1:
+        acc0 = tl.zeros([ACC_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     else:
         acc0 = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     acc1 = acc0
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_begin, full_end):
+    for tile in tl.range(tile_begin, full_end, num_stages=LOOP_STAGES):  # loads LOOP_STAGES - 1 tiles ahead
         acc0, acc1, m0, m1, l0, l1 = _attend_tile(
             acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16)
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16, ACC_ROWS)
     for tile in range(masked_begin, tile_end):
         acc0, acc1, m0, m1, l0, l1 = _attend_tile(
             acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
             block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16)
-    if ACC_2D:
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16, ACC_ROWS)
+    if ACC_2D or ACC_ROWS > 1:
         acc0 = tl.sum(acc0, 0)
         acc1 = tl.sum(acc1, 0)
     _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc0, m0, l0, v_scale, token, head0, head_end, split,

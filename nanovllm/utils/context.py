@@ -2,7 +2,8 @@
 
 `ModelRunner` builds a `Context` for each step and installs it with
 `set_context(...)`, a context manager around the forward pass: this is the only
-place it is written. Attention layers read it with `get_context()`.
+place it is written. Attention layers read it with `get_context()`; a linear method that
+treats decode steps apart (layers/quantization/gguf.py) asks `in_decode_step()`.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ _CONTEXT: Context | None = None
 def get_context() -> Context:
     assert _CONTEXT is not None, "attention called outside set_context()"
     return _CONTEXT
+
+
+def in_decode_step() -> bool:
+    """Whether a forward pass of decode tokens only is running (False outside any step)."""
+    return _CONTEXT is not None and _CONTEXT.is_decode_only
 
 
 @contextmanager

@@ -308,7 +308,7 @@ def _file_dtype(header: GGUFHeader) -> str | None:
 # ---- weights -------------------------------------------------------------------
 
 # block types whose raw blocks a weight keeps beside its dequantized values
-QUANTIZED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+QUANTIZED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
 
 # GGUF tensor name -> HF name; blk.N.<key> maps to model.layers.N.<value>
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

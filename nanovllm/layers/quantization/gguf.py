@@ -1,16 +1,19 @@
-"""GGUF weights on the CPU: 4-bit and Q8_0 blocks kept quantized for their kernels.
+"""GGUF weights on the CPU: 4-bit, Q8_0 and Q6_K blocks kept quantized for their kernels.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
 checkpoint tensor it was loaded from, with where each checkpoint row went (packed q/k/v
 and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
 Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
-the file's exact values) where it was measured faster (MAX_Q4_ROWS); otherwise a layer whose
+the file's exact values) where it was measured faster (MAX_Q4_ROWS), and, where the CPU has
+AVX512-VNNI, for the int8 VNNI kernel that runs the batches above those rows
+(kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
-a layer whose rows are all Q8_0 keeps them as int8 values and per-32 scales for the Q8_0
-kernel (kernels/cpu_q8_0.py); everything else (Q5_K, Q6_K, F16, F32 tensors, layers of mixed
-types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The token
-embedding and the LM head are not linear layers: a Q8_0 one keeps its blocks too
+a layer whose rows are all Q8_0 or all Q6_K keeps them as int8 values and fp32 scales (one per
+32 values; per 16 for Q6_K: exactly the file's values) for the Q8_0 kernel
+(kernels/cpu_q8_0.py); everything else (Q5_K, F16, F32 tensors, layers of
+mixed types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The
+token embedding and the LM head are not linear layers: one of those two types keeps its blocks too
 (layers/embed_head.py): the embedding reads its rows from them and the head runs batches of
 up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`; a tied
 head shares the embedding's blocks). Other types stay dense.
@@ -20,21 +23,29 @@ is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes f
 activations (accumulating in fp32) and is used under the same options, so that
 `dtype="float32"` still asks for fp32 products and gets every weight dequantized (exact), as
 does `quantization="gguf_dequant"`. Batches of more than `max_q4_rows` / `max_int4_rows` /
-`max_q8_0_rows` tokens (prefill, large decode batches) run the dense product (oneDNN's packed copy of the
+`max_q8_0_rows` tokens (prefill, large decode batches) run the VNNI kernel where the layer has
+its pack, else the dense product (oneDNN's packed copy of the
 dequantized weight: kernels/cpu_gemm.py), which is faster there (the crossovers are measured
-per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS). The Q8_0 kernel's product is
-the dequantized one in another summation order (its values are the file's, exactly, where the
-dense bf16 weight rounds them to bf16).
+per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_VNNI_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS).
+
+Which products are exact: `dtype="float32"` and `quantization="gguf_dequant"` (the dequantized
+weight, fp32 or the dtype asked for); the Q4 kernel and the Q8_0 kernel (the file's values
+times x in fp32, in another summation order; the dense bf16 weight rounds them to bf16). Not
+exact: the int4 kernel (bf16 scales and activations) and the VNNI kernel, which rounds x to
+8 bits per 32 values (kernels/cpu_gguf_vnni.py has its error; VNNI_PRODUCTS = False turns it off
+and those batches run the dense bf16 product again).
 """
 import functools
+import math
 
 import torch
 from torch import nn
 
-from nanovllm.kernels import cpu_gguf_q4, cpu_int4, cpu_q8_0
+from nanovllm.kernels import cpu_gguf_q4, cpu_gguf_vnni, cpu_int4, cpu_q8_0
 from nanovllm.layers.quantization import register_quantization
 from nanovllm.layers.quantization.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                                set_shard_tags)
+from nanovllm.utils.context import in_decode_step
 from nanovllm.utils.device import cpu_kind
 
 # Token counts up to which the int4 kernel beats the dense product, per CPU kind, measured
@@ -55,6 +66,31 @@ MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
 # (a layer on the Q4 kernel keeps no int4 pack: where it runs, it must take every row the int4 kernel did)
 assert all(MAX_Q4_ROWS[kind] in (0, MAX_INT4_ROWS[kind]) for kind in MAX_Q4_ROWS)
+# Whether batches above MAX_Q4_ROWS of a Q4_0 / Q4_1 layer run the int8 VNNI kernel
+# (kernels/cpu_gguf_vnni.py: x rounded to 8 bits per 32 values, not exact) where the CPU has it;
+# False: they run the dense bf16 product on the dequantized weight, as before.
+VNNI_PRODUCTS = True
+# Whether prefill steps (and steps that mix prefill and decode) run it too; False: decode steps only,
+# and prefill keeps the dense bf16 product (and each layer its dense copy: ~2 bytes a weight beside
+# the VNNI pack's 0.625). The prompt's keys and values and the first token's logits are where the
+# error shows: on prefill the kernel moved the embedded SmolLM2's teacher-forced logprobs by 0.057-0.065
+# on average against the fp32 product (the bf16 product: 0.035-0.038) and turned the README's "What is
+# the capital of France?" from "The capital of France is Paris." to "L'Étoile, la Marseillaise, ..."
+# (a near-tie in fp32 too: "The" -1.88, "L" -1.97); prefill is a small part of a batched run's time
+# (B2: one or two steps of ~2,500 rows against 128 decode steps). RESULTS.md has both.
+VNNI_PREFILL = False
+# Token counts up to which a layer of Q4_0 or Q4_1 rows runs the VNNI kernel (rows up to MAX_Q4_ROWS
+# run the Q4 kernel, exact; math.inf: every larger batch, and the layer keeps no dense copy).
+# AVX512-BF16 (without AMX; the 2-core Zen 4 VM, benchmarks/bench_cpu_q4.py, SmolLM2-135M's 120
+# layers cold, two threads, Q4_1, bf16 x; RESULTS.md "Int8 (VNNI) products for batches of GGUF
+# 4-bit weights (nineteenth session)"): VNNI against oneDNN's packed bf16 product 7.07 / 12.02 ms at
+# 5 rows, 7.33 / 12.48 at 8, 11.56 / 23.21 at 16, 32.25 / 43.40 at 64, 134.8 / 153.5 at 256,
+# 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 has no VNNI of
+# 512 bits: 0 (the int4 kernel and the dense product, as before).
+MAX_VNNI_ROWS = {"avx2": 0, "avx512_bf16": math.inf}
+# The layers' types it runs (its Q8_0 form was measured for the LM head only, not for layers, whose
+# Q8_0 kernel keeps its small batches: kernels/cpu_gguf_vnni.py)
+VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
 # Token counts up to which the Q8_0 kernel (kernels/cpu_q8_0.py) beats the dense product, per CPU
 # kind. AVX512-BF16: against oneDNN's packed bf16 product, two threads (benchmarks/RESULTS.md "Q8_0
 # kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
@@ -75,6 +111,8 @@ class GGUFConfig(QuantizationConfig):
         self.packed = True
         self.max_q4_rows = MAX_Q4_ROWS[cpu_kind()]
         self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
+        self.max_vnni_rows = MAX_VNNI_ROWS[cpu_kind()] if VNNI_PRODUCTS and cpu_gguf_vnni.runs_here() else 0
+        self.vnni_prefill = VNNI_PREFILL
         self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
         self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
 
@@ -133,11 +171,14 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def __init__(self, config: GGUFConfig):
         self.max_q4_rows = config.max_q4_rows
         self.max_int4_rows = config.max_int4_rows
+        self.max_vnni_rows = config.max_vnni_rows
+        self.vnni_prefill = config.vnni_prefill
         self.max_q8_0_rows = config.max_q8_0_rows
         self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
         self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.q4: cpu_gguf_q4.PackedQ4 | None = None
+        self.vnni: cpu_gguf_vnni.PackedVNNI | None = None
         self.q8: cpu_q8_0.Q8Weight | None = None
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
@@ -166,33 +207,37 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         types = {t for t, _ in self.parts}
         loaded = layer.weight.device.type == "cpu" and bool(self.parts) and bool((source >= 0).all())
         if loaded and self.max_q4_rows > 0 and len(types) == 1:
-            self.q4 = self._pack_q4(layer, source.long(), next(iter(types)))
+            self.q4 = self._pack_q4(layer, source.long(), next(iter(types)), cpu_gguf_q4)
+        if loaded and self.max_vnni_rows > 0 and len(types) == 1 and types <= set(VNNI_GGUF_TYPES):
+            self.vnni = self._pack_q4(layer, source.long(), next(iter(types)), cpu_gguf_vnni)
         int4 = (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
                 and cpu_int4.can_pack(*layer.weight.shape))
-        q8 = (loaded and self.max_q8_0_rows > 0 and types == {"Q8_0"} and layer.weight.shape[1] % cpu_q8_0.BLOCK == 0
-              and cpu_q8_0.built(layer.weight.dtype))
+        block = cpu_q8_0.BLOCK_OF.get(next(iter(types))) if len(types) == 1 else None
+        q8 = (loaded and self.max_q8_0_rows > 0 and block is not None and layer.weight.shape[1] % block == 0
+              and cpu_q8_0.built(layer.weight.dtype, block))
         if self.q4 is None and int4:
             q, scale, zero = self._gather(layer, source.long(), self._int4_parts(), cpu_int4.GROUP_SIZE)
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
         elif q8:
-            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf_blocks(raw) for _, raw in self.parts)]
-            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, cpu_q8_0.BLOCK))
+            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf(raw, t) for t, raw in self.parts)]
+            self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, block))
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
 
-    def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str) -> "cpu_gguf_q4.PackedQ4 | None":
-        """This layer's rows (and this rank's columns) of the raw blocks in the Q4 kernel's layout;
-        None where the kernel does not take them (another type, no C++ compiler)."""
-        block_bytes = cpu_gguf_q4.GGUF_BLOCK_BYTES.get(type_name)
+    def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str, kernel):
+        """This layer's rows (and this rank's columns) of the raw blocks in the layout of `kernel`
+        (the module cpu_gguf_q4 or cpu_gguf_vnni); None where it does not take them (another
+        type, no C++ compiler, no VNNI)."""
+        block_bytes = kernel.GGUF_BLOCK_BYTES.get(type_name)
         raws = [raw for _, raw in self.parts]
         if block_bytes is None or len({raw.shape[1] for raw in raws}) != 1:
             return None
         (rows,) = self._layer_rows(source, [(raw,) for raw in raws])   # [out, ckpt blocks * block bytes]
-        in_features, block = layer.weight.shape[1], cpu_gguf_q4.BLOCK
+        in_features, block = layer.weight.shape[1], kernel.BLOCK
         start = self._shard_start(layer, rows.shape[1] // block_bytes * block)
         if start % block or in_features % block:  # a row-parallel shard that splits a GGUF block
             return None
         rows = rows[:, start // block * block_bytes:(start + in_features) // block * block_bytes]
-        return cpu_gguf_q4.pack(rows.contiguous(), type_name, layer.weight.dtype)
+        return kernel.pack(rows.contiguous(), type_name, layer.weight.dtype)
 
     def _int4_parts(self) -> list[tuple[torch.Tensor, ...]]:
         return [cpu_int4.gguf_int4_affine(raw, t) for t, raw in self.parts]
@@ -223,23 +268,25 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         return 0 if ckpt_in == in_features else layer.tp_rank * in_features
 
     @property
-    def own_kernel_max_rows(self) -> int:
-        """The largest batch this layer's own kernel runs (kernels/cpu_linear.py keeps the dense
-        copies that larger batches need)."""
-        if self.q4 is not None:
-            return self.max_q4_rows
+    def own_kernel_max_rows(self) -> int | float:
+        """The largest batch this layer's own kernels run, each from one row up (kernels/cpu_linear.py
+        keeps the dense copies that larger batches need); math.inf: every batch."""
         if self.q8 is not None:
             return self.max_q8_0_rows
-        return 0 if self.packed is None else self.max_int4_rows
+        return max(self.max_q4_rows if self.q4 is not None else 0,
+                   self.max_int4_rows if self.packed is not None else 0,
+                   self.max_vnni_rows if self.vnni is not None and self.vnni_prefill else 0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = None
         if self.q4 is not None and x.shape[0] <= self.max_q4_rows:
             y = cpu_gguf_q4.q4_linear(x, self.q4)  # [num_tokens, out]; None: a dtype it does not take
-        elif self.q8 is not None and x.shape[0] <= self.max_q8_0_rows:
-            y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
         elif self.packed is not None and x.shape[0] <= self.max_int4_rows:
             y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
+        elif self.vnni is not None and x.shape[0] <= self.max_vnni_rows and (self.vnni_prefill or in_decode_step()):
+            y = cpu_gguf_vnni.vnni_linear(x, self.vnni)  # [num_tokens, out]; None: a dtype it does not take
+        elif self.q8 is not None and x.shape[0] <= self.max_q8_0_rows:
+            y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
         if y is None:
             return super().apply(layer, x, bias)
         return y if bias is None else y + bias

@@ -58,6 +58,7 @@ class GGUFInt8Config(GGUFConfig):
         self.int8 = True
         self.max_int4_rows = min(self.max_int4_rows, self.min_rows - 1)  # int8 takes the rest
         self.max_q4_rows = min(self.max_q4_rows, self.min_rows - 1)
+        self.max_vnni_rows = min(self.max_vnni_rows, self.min_rows - 1)
         self.max_q8_0_rows = min(self.max_q8_0_rows, self.min_rows - 1)
         self.max_q8_0_head_rows = min(self.max_q8_0_head_rows, self.min_rows - 1) if INT8_LM_HEAD else 0
 
