@@ -1,10 +1,23 @@
 """The CPU's two-pass argmax (kernels/cpu_argmax.py) gives torch's argmax exactly: random rows,
 ties across and within chunks (the lowest index wins), NaN and -inf rows, vocabularies only a
-small chunk divides, a strided view, and sizes it leaves to torch."""
+small chunk divides, a strided view, and sizes it leaves to torch; both its C++ kernel (fp32,
+bf16, fp16) and, without one, its torch ops."""
 import pytest
 import torch
 
+from nanovllm.kernels import cpu_argmax
 from nanovllm.kernels.cpu_argmax import argmax_rows
+from nanovllm.utils import cpp_compiler
+
+
+@pytest.fixture(params=["cpp", "torch"], autouse=True)
+def kernel(request, monkeypatch):
+    """Each test with the C++ kernel (where a compiler is found) and with the torch ops."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_argmax, "_build", lambda dtype: None)
+    elif not cpp_compiler.cpp_compiler_found():
+        pytest.skip("no C++ compiler found")
+    return request.param
 
 
 @pytest.mark.parametrize("vocab", [49152, 151936, 32000, 8192 * 3 + 128])
@@ -37,3 +50,16 @@ def test_strided_and_unusual_shapes():
     assert torch.equal(argmax_rows(odd), odd.argmax(-1))
     one = torch.randn(1, 49152)
     assert torch.equal(argmax_rows(one), one.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_dtype_with_ties_and_nan(kernel, dtype):
+    x = torch.randn(9, 49152 + 5, generator=torch.Generator().manual_seed(2)).to(dtype)  # (+5: a vector tail)
+    x[0, [7, 40000]] = 30.0
+    x[1, [49152 + 4, 11]] = float("nan")
+    x[2, 49152 + 3] = float("inf")
+    x[3] = -0.0
+    x[3, 100] = 0.0  # equal to -0.0: index 0 wins
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    if kernel == "cpp":
+        assert cpu_argmax._build(dtype) is not None

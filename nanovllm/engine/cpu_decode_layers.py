@@ -13,10 +13,13 @@ Prefill and mixed steps, and engines it does not apply to, run the modules as be
 
 It is the CPU's counterpart of the GPU's CUDA graphs, not a second model: the layers'
 tensors are the modules' own, read at each step (the KV caches are attached after start-up).
+At a few rows a step goes further: a `StepPlan` per row count (engine/cpu_decode_plan.py) binds
+each layer's built kernels, weights and output buffers once and calls them with no checks.
 """
 import torch
 from torch import nn
 
+from nanovllm.engine import cpu_decode_plan
 from nanovllm.kernels import cpu_attn, cpu_decode_mirror, cpu_paged_decode, cpu_small_ops, fused_ops
 from nanovllm.layers.attention import Attention
 from nanovllm.models.decoder import DecoderLayer, DecoderMLP, run_decoder_layers
@@ -61,6 +64,8 @@ class DecodeLayers:
     def __init__(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int, kernel):
         """`kernel`: the C++ paged decode kernel for these dtypes and head size (cpu_paged_decode.kernel_for)."""
         self.dtype, self.kv_cache_dtype, self.head_dim, self.kernel = dtype, kv_cache_dtype, head_dim, kernel
+        # rows -> the StepPlan for that many rows, or None where its own path runs; None: no plans
+        self.plans: dict[int, cpu_decode_plan.StepPlan | None] | None = {} if cpu_decode_plan.ENABLED else None
 
     def __call__(self, layers, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         ctx = get_context()
@@ -73,10 +78,23 @@ class DecodeLayers:
                                            attn.scale, cpu_decode_mirror.longest(ctx.seq_lens_k))
         positions = positions.to(torch.int64).contiguous()      # [num_seqs]
         slots = ctx.slot_mapping.to(torch.int64).contiguous()   # [num_seqs]
+        plan = self._plan(layers, hidden.shape[0])
+        if plan is not None:
+            return plan(step, positions, slots, hidden)
         cos_sin = layers[0].self_attn.rotary_emb.cos_sin_cache  # [max_position, d] float32
         for layer in layers:
             hidden, residual = self._layer(layer, step, positions, slots, cos_sin, hidden, residual)
         return hidden, residual
+
+    def _plan(self, layers, rows: int) -> "cpu_decode_plan.StepPlan | None":
+        """The StepPlan for `rows` rows (made at the first step with that many, again if the caches
+        changed), or None where this class's own path runs."""
+        if self.plans is None:
+            return None
+        plan = self.plans.get(rows, False)
+        if plan is False or (plan is not None and not plan.applies(layers)):
+            plan = self.plans[rows] = cpu_decode_plan.plan_for(layers, rows, self.dtype, self.head_dim)
+        return plan
 
     def _layer(self, layer: DecoderLayer, step: "cpu_paged_decode.DecodeStep", positions: torch.Tensor,
                slots: torch.Tensor, cos_sin: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):

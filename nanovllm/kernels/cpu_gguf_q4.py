@@ -78,6 +78,12 @@ def prepare(dtype: torch.dtype, type_name: str) -> bool:
     return dtype in CPP_TYPES and type_name in Q4_TYPES and _build(dtype, type_name, "native") is not None
 
 
+def function(dtype: torch.dtype, type_name: str):
+    """The built kernel for x's `dtype` and the weight's type, or None: for callers that check their
+    tensors once and then call it directly (engine/cpu_decode_plan.py), as `q4_linear` calls it."""
+    return _build(dtype, type_name, "native") if dtype in CPP_TYPES and type_name in Q4_TYPES else None
+
+
 def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) -> PackedQ4 | None:
     """GGUF rows in the kernel's layout, or None where it does not take them (another type, no C++).
 

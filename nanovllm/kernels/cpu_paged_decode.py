@@ -134,12 +134,16 @@ class DecodeStep:
         assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "head_dim must be contiguous"
         q = q.contiguous()
         out = torch.empty_like(q)
-        group = num_heads // self.kv_heads
-        partials = _scratch(num_seqs * self.kv_heads * self.num_parts * group * (d + 2) if self.num_parts > 1 else 0)
+        partials = self.scratch(num_heads, d)
         self.kernel(q, k_cache, v_cache, self.tables, self.lens, out, partials, num_seqs, num_heads, self.kv_heads, d,
                     self.block_size, self.tables.shape[1], *k_cache.stride()[:3], *v_cache.stride()[:3],
                     self.part_len, self.num_parts, self.scale, self.threads)
         return out
+
+    def scratch(self, num_heads: int, d: int) -> torch.Tensor:
+        """The fp32 scratch the kernel's partitions write for this step (a placeholder without partitions)."""
+        group = num_heads // self.kv_heads
+        return _scratch(self.num_seqs * self.kv_heads * self.num_parts * group * (d + 2) if self.num_parts > 1 else 0)
 
 
 def partitions(num_pairs: int, max_len: int, threads: int) -> tuple[int, int]:

@@ -62,6 +62,12 @@ def _build(op: str, dtype: torch.dtype, head_dim: int = 0):
     return cpp_compiler.build(_source(op, dtype, head_dim), [t.format(t=CPP_TYPES[dtype]) for t in ARG_TYPES[op]])
 
 
+def function(op: str, dtype: torch.dtype, head_dim: int = 0):
+    """The built C++ function of `op` (OPS) for `dtype` (and RoPE's `head_dim`), or None: for callers
+    that check their tensors once and then call it directly (engine/cpu_decode_plan.py)."""
+    return _build(op, dtype, head_dim) if dtype in CPP_TYPES else None
+
+
 def _runs_here(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in CPP_TYPES and not torch.compiler.is_compiling()
 
