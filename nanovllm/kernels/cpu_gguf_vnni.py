@@ -12,8 +12,8 @@ in fp32. So the result is `quantize_x(x) @ dequant(W).T` up to fp32 rounding (ex
 where quantize_x rounds each x to 8 bits of its block's largest value: NOT the product of x itself.
 Q8_0 weights are int8, the signed operand: x enters as q_x + 128 (u8) and each block's dot starts
 from -128 * sum(q_w), kept beside its scales. Measured for SmolLM2's tied Q8_0 LM head (49152 x 576)
-but not wired in: 8.85 against oneDNN bf16's 9.85 ms at 64 rows (RESULTS.md, nineteenth session),
-too little for int8 activations where the argmax is taken.
+but not wired in: 9.97 / 9.44 against oneDNN bf16's 11.38 / 10.63 ms at 64 rows (two runs; RESULTS.md,
+nineteenth session), too little for int8 activations where the argmax is taken.
 `reference` computes the same in torch; the error against `x.float() @ dequant(W).T` and what it
 does to the engine's outputs: benchmarks/RESULTS.md "Int8 (VNNI) products for batches of GGUF 4-bit
 weights (nineteenth session)".

@@ -18,9 +18,9 @@ conversions and run the dense oneDNN product (the callers' crossover).
 `embedding` reads rows of the same weight (a token embedding tied to its LM head), dequantized.
 
 Built like the other C++ kernels (kernels/cpu_small_ops.py): `utils/cpp_compiler.build`, one
-library per dtype and block size, kept for later processes; `prepare` builds them at start-up.
-Without a C++ compiler (and no library built before) `built` is False and the callers keep their
-dense weights.
+library per dtype and block size, kept for later processes; `built` builds one when a layer asks
+for it at load. Without a C++ compiler (and no library built before) `built` is False and the
+callers keep their dense weights.
 """
 import functools
 from pathlib import Path

@@ -7,8 +7,8 @@
   `llama.expert_count` is Mixtral).
 - `iter_gguf_weights(path)`: `(HF-style name, float32 tensor)` for every tensor,
   dequantized by `utils/dequant.py`, with llama.cpp's Q/K row permutation undone
-  for llama and granite files. A 4-bit or Q8_0 matrix also carries its raw blocks
-  (`tensor.gguf_raw`, `tensor.gguf_type`) for the CPU's int4 and Q8_0 kernels. Expert tensors keep llama.cpp's layout (one tensor per
+  for llama and granite files. A 4-bit, Q8_0 or Q6_K matrix also carries its raw blocks
+  (`tensor.gguf_raw`, `tensor.gguf_type`) for the CPU's kernels (QUANTIZED_LINEAR_TYPES). Expert tensors keep llama.cpp's layout (one tensor per
   layer with a leading expert dimension, `ffn_*_exps`, or one per expert in older
   Mixtral files, `ffn_*.E`), which `layers/fused_moe.py` packs as it packs HF's.
 - `gguf_tokenizer(path)`: an HF fast tokenizer built from the file's vocabulary,

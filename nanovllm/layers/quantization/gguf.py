@@ -23,10 +23,10 @@ is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes f
 activations (accumulating in fp32) and is used under the same options, so that
 `dtype="float32"` still asks for fp32 products and gets every weight dequantized (exact), as
 does `quantization="gguf_dequant"`. Batches of more than `max_q4_rows` / `max_int4_rows` /
-`max_q8_0_rows` tokens (prefill, large decode batches) run the VNNI kernel where the layer has
-its pack, else the dense product (oneDNN's packed copy of the
-dequantized weight: kernels/cpu_gemm.py), which is faster there (the crossovers are measured
-per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_VNNI_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS).
+`max_q8_0_rows` tokens run the dense product (oneDNN's packed copy of the dequantized weight:
+kernels/cpu_gemm.py), which is faster there; in decode steps a layer with the VNNI pack runs
+the VNNI kernel instead (prefill steps too only with VNNI_PREFILL). The crossovers are measured
+per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_VNNI_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS.
 
 Which products are exact: `dtype="float32"` and `quantization="gguf_dequant"` (the dequantized
 weight, fp32 or the dtype asked for); the Q4 kernel and the Q8_0 kernel (the file's values
@@ -105,7 +105,7 @@ _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 @register_quantization("gguf")
 class GGUFConfig(QuantizationConfig):
-    """A GGUF file's weights: 4-bit and Q8_0 types kept for the CPU's kernels, the rest dense."""
+    """A GGUF file's weights: 4-bit, Q8_0 and Q6_K types kept for the CPU's kernels, the rest dense."""
 
     def __init__(self):
         self.packed = True
@@ -166,7 +166,8 @@ class GGUFDequantConfig(QuantizationConfig):
 
 class GGUFLinearMethod(UnquantizedLinearMethod):
     """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the Q4 kernel's or
-    the int4 pack, and where every row is Q8_0, the Q8_0 blocks in the kernel's layout."""
+    the int4 pack (and, all Q4_0 or all Q4_1, the VNNI pack), and where every row is Q8_0 or every
+    row Q6_K, the int8 values and scales in the Q8_0 kernel's layout."""
 
     def __init__(self, config: GGUFConfig):
         self.max_q4_rows = config.max_q4_rows
