@@ -793,14 +793,16 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
     pv_fp16 = DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D
-    assert DECODE_FMA_BLOCK_N % DECODE_FMA_ACC_ROWS == 0, "a tile's rows split evenly into the partial sums"
+    acc_rows = 1 if pv_fp16 or DECODE_FMA_ACC_2D else DECODE_FMA_ACC_ROWS
+    assert acc_rows & (acc_rows - 1) == 0 and DECODE_FMA_BLOCK_N % acc_rows == 0, \
+        "the partial sums are a power of two that divides the tile's rows (tl.reshape)"
     triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
         *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                       scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
         QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
-        PV_FP16=pv_fp16, LOOP_STAGES=DECODE_FMA_NUM_STAGES, ACC_ROWS=1 if pv_fp16 or DECODE_FMA_ACC_2D else DECODE_FMA_ACC_ROWS,
+        PV_FP16=pv_fp16, LOOP_STAGES=DECODE_FMA_NUM_STAGES, ACC_ROWS=acc_rows,
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
         **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}), **launch_options(q.device))
     if num_splits > 1:

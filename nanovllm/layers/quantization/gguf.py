@@ -77,7 +77,9 @@ VNNI_PRODUCTS = True
 # on average against the fp32 product (the bf16 product: 0.035-0.038) and turned the README's "What is
 # the capital of France?" from "The capital of France is Paris." to "L'Étoile, la Marseillaise, ..."
 # (a near-tie in fp32 too: "The" -1.88, "L" -1.97); prefill is a small part of a batched run's time
-# (B2: one or two steps of ~2,500 rows against 128 decode steps). RESULTS.md has both.
+# (B2: one or two steps of ~2,500 rows against 128 decode steps). RESULTS.md has both. "Decode step"
+# is the step context's `is_decode_only` (every sequence computes one token): a prefill whose last chunk is
+# one token (a prefix-cache hit up to the prompt's last token, a one-token prompt) counts as one.
 VNNI_PREFILL = False
 # Token counts up to which a layer of Q4_0 or Q4_1 rows runs the VNNI kernel (rows up to MAX_Q4_ROWS
 # run the Q4 kernel, exact; math.inf: every larger batch, and the layer keeps no dense copy).
