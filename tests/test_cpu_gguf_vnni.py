@@ -19,7 +19,8 @@ import torch
 from nanovllm.kernels import cpu_gguf_vnni, cpu_q8_0
 from nanovllm.utils import cpp_compiler
 
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
+import test_cpu_gguf_q4  # noqa: E402  (its random GGUF rows and the gguf package's dequantizer)
 needs_vnni = pytest.mark.skipif(not (cpp_compiler.cpp_compiler_found() and cpu_gguf_vnni.runs_here()),
                                 reason="no AVX512-VNNI (or AMX, where it is not used) or no C++ compiler")
 
@@ -38,24 +39,13 @@ TOP_K_CLOSE = 5
 
 
 def _random_rows(n: int, k: int, type_name: str, gen: torch.Generator) -> torch.Tensor:
-    """GGUF rows [n, bytes] uint8: random nibbles, scales d in (0, 0.02), Q4_1 mins in (-0.1, 0.1);
-    Q8_0: a Gaussian weight quantized as llama.cpp does (kernels/cpu_q8_0.quantize)."""
+    """GGUF rows [n, bytes] uint8: Q4_0 / Q4_1 as test_cpu_gguf_q4's (random nibbles, scales d in
+    (0, 0.02), Q4_1 mins in (-0.1, 0.1)); Q8_0: a Gaussian weight quantized as llama.cpp does
+    (kernels/cpu_q8_0.quantize)."""
     if type_name == "Q8_0":
         q8 = cpu_q8_0.quantize(torch.randn(n, k, generator=gen) * 0.05)
         return cpu_gguf_vnni.q8_0_blocks(q8.values, q8.scales)
-    blocks = n * k // 32
-    raw = torch.randint(0, 256, (blocks, cpu_gguf_vnni.GGUF_BLOCK_BYTES[type_name]), dtype=torch.uint8,
-                        generator=gen)
-    f16 = [torch.rand(blocks, generator=gen) * 0.02]
-    if type_name == "Q4_1":
-        f16.append((torch.rand(blocks, generator=gen) - 0.5) * 0.2)
-    raw[:, :2 * len(f16)] = torch.stack(f16, -1).to(torch.float16).view(torch.uint8)
-    return raw.reshape(n, -1)
-
-
-def _dequantized(raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """The gguf package's numpy dequantizer (the reference).  # [n, k] fp32"""
-    return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[type_name])).float()
+    return test_cpu_gguf_q4._random_rows(n, k, type_name, gen)
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -82,7 +72,7 @@ def test_products_equal_the_quantized_x_reference(type_name, dtype):
     the register tile."""
     gen = torch.Generator().manual_seed(len(type_name) + (dtype == torch.float32))
     raw = _random_rows(100, 160, type_name, gen)
-    packed, w = cpu_gguf_vnni.pack(raw, type_name), _dequantized(raw, type_name)
+    packed, w = cpu_gguf_vnni.pack(raw, type_name), test_cpu_gguf_q4._dequantized(raw, type_name)
     for m in (5, 7, 13, 64):
         x = torch.randn(m, 160, generator=gen).to(dtype)
         y = cpu_gguf_vnni.vnni_linear(x, packed)
@@ -110,7 +100,7 @@ def test_odd_shapes_on_one_and_two_threads(shape, threads):
     n, k, m, type_name = shape
     gen = torch.Generator().manual_seed(n + threads)
     raw = _random_rows(n, k, type_name, gen)
-    packed, w = cpu_gguf_vnni.pack(raw, type_name), _dequantized(raw, type_name)
+    packed, w = cpu_gguf_vnni.pack(raw, type_name), test_cpu_gguf_q4._dequantized(raw, type_name)
     x = torch.randn(m, k, generator=gen) * torch.rand(1, k, generator=gen) * 4  # uneven channels
     x[:, 3] = 50.0  # an outlier channel: its blocks' other values lose precision, nothing worse
     saved = torch.get_num_threads()
@@ -127,7 +117,7 @@ def test_zero_blocks_and_bad_input():
     """An all-zero block of x has d_x = 0 and contributes nothing; a wrong width is a ValueError."""
     gen = torch.Generator().manual_seed(0)
     raw = _random_rows(32, 64, "Q4_0", gen)
-    packed, w = cpu_gguf_vnni.pack(raw, "Q4_0"), _dequantized(raw, "Q4_0")
+    packed, w = cpu_gguf_vnni.pack(raw, "Q4_0"), test_cpu_gguf_q4._dequantized(raw, "Q4_0")
     x = torch.randn(5, 64, generator=gen)
     x[:, :32] = 0
     _check(cpu_gguf_vnni.vnni_linear(x, packed), x, w)
