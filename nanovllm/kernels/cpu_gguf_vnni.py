@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from nanovllm.utils import cpp_compiler
+from nanovllm.utils.device import cpu_flags
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
@@ -78,25 +79,15 @@ def _build(dtype: torch.dtype, type_name: str, tile_m: int = TILE_M, tile_g: int
                               [t.format(t=CPP_TYPES[dtype]) for t in _ARG_TYPES])
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's flags from /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
 def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX512-VNNI and AVX512BW (the kernel's instructions)."""
-    return {"avx512_vnni", "avx512bw", "avx512f"} <= _cpu_flags()
+    return {"avx512_vnni", "avx512bw", "avx512f"} <= cpu_flags()
 
 
 def runs_here() -> bool:
     """Whether the engine should run it on this CPU: AVX512-VNNI, and no AMX (whose bf16 tiles
     oneDNN's bf16 product uses, at several times vpdpbusd's rate: not measured against it)."""
-    return cpu_has_vnni() and "amx_bf16" not in _cpu_flags()
+    return cpu_has_vnni() and "amx_bf16" not in cpu_flags()
 
 
 def prepare(dtype: torch.dtype, type_name: str) -> bool:

@@ -17,13 +17,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return any(flag in flags for flag in FAST_BF16_CPU_FLAGS)
+        return frozenset()
+
+
+def cpu_has_fast_bf16() -> bool:
+    return any(flag in cpu_flags() for flag in FAST_BF16_CPU_FLAGS)
 
 
 def cpu_kind() -> str:
