@@ -147,3 +147,18 @@ def test_greedy_ids_match_dequantized(typed_gguf):
         if ours != ref:  # a near-tie may flip argmax: both must rank the other's token top-5
             i = next(i for i, (x, y) in enumerate(zip(ours, ref)) if x != y)
             assert ref[i] in a.outputs[0].logprobs[i] and ours[i] in b.outputs[0].logprobs[i], (i, ours, ref)
+
+
+def test_head_rows_choose_the_kernel_up_to_its_crossover(typed_gguf, monkeypatch):
+    from nanovllm.layers.quantization import gguf as gguf_method
+    from nanovllm.utils.device import cpu_kind
+    path, _ = typed_gguf
+    head = _llm(path, dtype="bfloat16").llm_engine.model_runner.model.lm_head
+    most = min(gguf_method.GGUFConfig().max_q8_0_head_rows, gguf_method.MAX_Q6_K_HEAD_ROWS[cpu_kind()])
+    calls = []
+    real = cpu_q8_0.q8_0_linear
+    monkeypatch.setattr(cpu_q8_0, "q8_0_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    for rows in (1, most, most + 1):
+        calls.clear()
+        logits = head(torch.randn(rows, head.q8_weight.shape[1]).bfloat16())
+        assert calls == ([rows] if rows <= most else []) and logits.shape == (rows, head.vocab_size)

@@ -102,6 +102,10 @@ VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
 # product is bound by the bytes it reads (1.125 a weight against the fp32 weight's 4).
 MAX_Q8_0_ROWS = {"avx2": 1, "avx512_bf16": 2}
 MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
+# The same for a Q6_K LM head (its scales one per 16 values: more work a weight). AVX512-BF16, the 49152 x 576
+# head, two threads (benchmarks/bench_cpu_q8_0.py --block 16; RESULTS.md "GGUF Q6_K kept as int8 values on
+# the CPU"): 1.41 against 2.73 ms at 1 row, 1.48 / 2.59 at 2, 1.84 / 2.28 at 3, 2.45 / 2.36 at 4. AVX2: as Q8_0.
+MAX_Q6_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 3}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -135,8 +139,9 @@ class GGUFConfig(QuantizationConfig):
         return self.packed and self.max_q8_0_head_rows > 0
 
     def process_model_after_loading(self, model: nn.Module) -> None:
-        """The LM head runs its batches of up to `max_q8_0_head_rows` rows by its Q8_0 blocks
-        (a tied head: the token embedding's, layers/embed_head.py)."""
+        """The LM head runs its batches of up to `max_q8_0_head_rows` rows (a Q6_K head: at most
+        MAX_Q6_K_HEAD_ROWS) by its blocks' values (a tied head: the token embedding's,
+        layers/embed_head.py)."""
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is None or not self.keeps_q8_0_embedding():
@@ -144,7 +149,9 @@ class GGUFConfig(QuantizationConfig):
         if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
             head.q8_weight, head.q8_dtype = embed.q8_weight, embed.q8_dtype
         if getattr(head, "q8_weight", None) is not None:
-            head.q8_max_rows = self.max_q8_0_head_rows
+            q6_k = head.q8_weight.block == cpu_q8_0.BLOCK_OF["Q6_K"]
+            head.q8_max_rows = min(self.max_q8_0_head_rows, MAX_Q6_K_HEAD_ROWS[cpu_kind()]) if q6_k \
+                else self.max_q8_0_head_rows
 
 
 @register_quantization("gguf_dequant")
