@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.utils import cpp_compiler
+from nanovllm.utils import cpp_compiler, dequant
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 CPP_TYPES = {torch.float32: "float", torch.bfloat16: "at::BFloat16"}
@@ -94,12 +94,8 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
     """
     if not any(prepare(dt, type_name) for dt in (CPP_TYPES if dtype is None else [dtype])):
         return None
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % GGUF_BLOCK_BYTES[type_name]:
-        raise ValueError(f"{type_name} rows must be [rows, a multiple of {GGUF_BLOCK_BYTES[type_name]}] "
-                         f"uint8, got {tuple(raw.shape)} {raw.dtype}")
-    n, blocks = raw.shape[0], raw.shape[1] // GGUF_BLOCK_BYTES[type_name]
-    data = _tiles(raw.reshape(n, blocks, -1), type_name)
-    return PackedQ4(data, type_name, n, blocks * BLOCK)
+    blocks = dequant.row_blocks(raw, type_name, GGUF_BLOCK_BYTES[type_name])  # [n, blocks, bytes]
+    return PackedQ4(_tiles(blocks, type_name), type_name, blocks.shape[0], blocks.shape[1] * BLOCK)
 
 
 def _tiles(blocks: torch.Tensor, type_name: str) -> torch.Tensor:

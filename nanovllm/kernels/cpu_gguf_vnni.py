@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.utils import cpp_compiler
+from nanovllm.utils import cpp_compiler, dequant
 from nanovllm.utils.device import cpu_flags
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -107,12 +107,9 @@ def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) ->
     if not any(prepare(dt, type_name) for dt in (CPP_TYPES if dtype is None else [dtype])):
         return None
     block_bytes = GGUF_BLOCK_BYTES[type_name]
-    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
-        raise ValueError(f"{type_name} rows must be [rows, a multiple of {block_bytes}] uint8, "
-                         f"got {tuple(raw.shape)} {raw.dtype}")
-    n, nb = raw.shape[0], raw.shape[1] // block_bytes
+    blocks = dequant.row_blocks(raw, type_name, block_bytes)                # [n, nb, block_bytes]
+    n, nb = blocks.shape[:2]
     groups = -(-n // GROUP)
-    blocks = raw.reshape(n, nb, block_bytes)
     pad = torch.zeros(groups * GROUP - n, nb, block_bytes, dtype=torch.uint8)  # rows of q = d = m = 0
     blocks = torch.cat([blocks, pad]).reshape(groups, GROUP, nb, block_bytes)  # [groups, 16 rows, nb, bytes]
     data = (_q8_0_groups if type_name == "Q8_0" else _q4_groups)(blocks, type_name)

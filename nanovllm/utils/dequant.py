@@ -146,6 +146,16 @@ def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> tor
     return fn(raw.view(-1, block_bytes)).reshape(shape)
 
 
+def row_blocks(raw: torch.Tensor, type_name: str, block_bytes: int) -> torch.Tensor:
+    """raw [rows, bytes_per_row] uint8, each row a run of `type_name` blocks of `block_bytes` bytes (a
+    2-D weight as the file holds it: row n is output n) -> [rows, blocks, block_bytes]; a ValueError
+    naming the type and the shape where it is not that."""
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"{type_name} rows must be [rows, a multiple of {block_bytes}] uint8, "
+                         f"got {tuple(raw.shape)} {raw.dtype}")
+    return raw.reshape(raw.shape[0], -1, block_bytes)
+
+
 def _quant_type(type_name: str):
     try:
         return QUANT_TYPES[type_name]
