@@ -4,8 +4,8 @@ Its users: the compiled CPU forward (engine/cpu_compile.py, Inductor's own code)
 kernels of kernels/ (cpu_paged_decode.py, cpu_small_ops.py), whose sources `source` assembles (the
 build's macros, the file, the headers it includes from beside it) and `build` compiles through
 Inductor's C++ code cache (`CppPythonBindingsCodeCache`: the compiler torch.compile finds, no
-ninja, OpenMP, the CPU's vector ISA, `-march=native`). Without a compiler each keeps its
-torch-only path.
+ninja, OpenMP, the CPU's vector ISA, `-march=native`; `-march=x86-64-v3`, AVX2 at most, where
+ATEN_CPU_CAPABILITY is "avx2": utils/device.py). Without a compiler each keeps its torch-only path.
 
 Asking Inductor costs ~3.4 s in every process even when its disk cache holds the library: importing
 `torch._inductor.codecache` (~1.9 s) and its vector-ISA probe (~1.5 s of small builds loaded in
@@ -14,13 +14,13 @@ it got, named by a hash of the source, its argument types, torch's and Python's 
 CPU's flags, and later processes load that copy directly (a few ms): the same binding module, given
 the one pointer it asks torch for, as Inductor's loader does.
 """
+import contextlib
 import functools
 import getpass
 import hashlib
 import importlib.util
 import logging
 import os
-import platform
 import re
 import shutil
 import sys
@@ -29,8 +29,13 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.utils.device import cpu_flags, cpu_limited_to_avx2
+
 logger = logging.getLogger(__name__)
 
+# The ISA level the libraries are built for where ATEN_CPU_CAPABILITY limits the CPU to AVX2
+# (AVX2, FMA, F16C: -march=native would let the compiler use the newer instructions the CPU has)
+AVX2_MARCH = "x86-64-v3"
 # A kernel source's include of a header kept beside it (cpu_vec_floats.h), on a line of its own
 LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)".*$', re.M)
 
@@ -58,9 +63,12 @@ def build(source: str, arg_types: list[str]):
             logger.debug("cpp_compiler: %s did not load: %s", library, e)
     if not cpp_compiler_found():
         return None
+    from torch._inductor import config
     from torch._inductor.codecache import CppPythonBindingsCodeCache
+    march = config.patch({"cpp.march": AVX2_MARCH}) if cpu_limited_to_avx2() else contextlib.nullcontext()
     try:
-        fn = CppPythonBindingsCodeCache.load_pybinding(arg_types, source)
+        with march:
+            fn = CppPythonBindingsCodeCache.load_pybinding(arg_types, source)
     except Exception as e:
         logger.debug("cpp_compiler: build failed: %s", e)
         return None
@@ -91,18 +99,8 @@ def library_dir() -> Path:
 
 def _key(source: str, arg_types: list[str]) -> str:
     """What the built library depends on: the source and its bindings, torch, Python, the CPU."""
-    parts = [source, *arg_types, torch.__version__, sys.version, _cpu_flags()]
+    parts = [source, *arg_types, torch.__version__, sys.version, " ".join(sorted(cpu_flags()))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:40]
-
-
-@functools.cache
-def _cpu_flags() -> str:
-    """The CPU's instruction sets (the library is built with -march=native)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
 
 
 def _load(library: Path):

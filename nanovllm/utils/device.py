@@ -1,11 +1,19 @@
-"""Resolve `Config.device` and `Config.dtype` ("auto") into a torch device and dtype."""
+"""Resolve `Config.device` and `Config.dtype` ("auto") into a torch device and dtype, and read
+the CPU's instruction sets that the CPU path's choices are keyed by."""
 import functools
+import os
 
 import torch
 
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU flags that make bf16 matrix products fast (AMX tiles, or AVX512 bf16 dot products).
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+# torch's own switch for the vector instructions its CPU kernels use ("default", "avx2", "avx512").
+# Set to "avx2" on a newer CPU, the engine also chooses and builds its kernels as on an AVX2-only CPU:
+# the flags of the instruction sets above AVX2 are dropped (with ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN's
+# products, that runs the AVX2 kind's whole path on an AVX512 machine).
+CPU_CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+ABOVE_AVX2_FLAG_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -18,12 +26,21 @@ def resolve_device(device: str) -> torch.device:
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's flags from /proc/cpuinfo (empty where it cannot be read)."""
+    """The CPU's flags from /proc/cpuinfo (empty where it cannot be read), without those above
+    AVX2 where ATEN_CPU_CAPABILITY is "avx2"."""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+            flags = frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
         return frozenset()
+    if cpu_limited_to_avx2():
+        return frozenset(f for f in flags if not f.startswith(ABOVE_AVX2_FLAG_PREFIXES))
+    return flags
+
+
+def cpu_limited_to_avx2() -> bool:
+    """Whether ATEN_CPU_CAPABILITY asks for AVX2 at most."""
+    return os.environ.get(CPU_CAPABILITY_ENV, "").lower() == "avx2"
 
 
 def cpu_has_fast_bf16() -> bool:
