@@ -134,9 +134,9 @@ ATTENTION_CASES = {
                      dict(max_seqlen_q=1, num_splits=3)),
     "decode_qpk8": ([(15, 1), (40, 1)], 8, 1, 32, 4, dict(max_seqlen_q=1, max_seqlen_k=41)),
     "prefill_split_mqa": ([(100, 9), (0, 20), (3, 1)], 4, 1, 32, 8, dict(num_splits=2)),
-    # more splits than the combine kernel reads at once (COMBINE_SPLITS_BLOCK = 16), all of
+    # more splits than the combine kernel reads at once (COMBINE_SPLITS_BLOCK = 8), all of
     # them with keys in the long sequences (so some row's largest split lies past the first
-    # 16: the online rescaling across blocks of splits matters); the short ones fill split 0 only
+    # 8: the online rescaling across blocks of splits matters); the short ones fill split 0 only
     # (2,500 keys: 20 decode tiles of 128, one a split; 762: 24 prefill tiles of 32)
     "decode_many_splits": ([(0, 1), (2450, 1), (2499, 1)], 2, 1, 16, 16, dict(max_seqlen_q=1, num_splits=20)),
     "prefill_many_splits": ([(750, 12), (5, 3)], 2, 1, 16, 16, dict(num_splits=24)),

@@ -233,7 +233,12 @@ TARGET_PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 32
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
-COMBINE_SPLITS_BLOCK = 16  # splits the combine kernel reads at once
+# The split-KV combine kernel: splits read at once, and warps a program. Alone at B1's decode shapes on an
+# H200 (16 heads of 128, a CUDA graph of 50 launches; RESULTS.md "Twentieth session"): 256 tokens x 3 splits
+# 3.72 us with 8 splits a read and 1 warp against 6.45 us with 16 and 4 warps; 128 x 5 2.61 / 3.98;
+# 64 x 8 2.13 / 2.69; 8 x 8 1.49 / 1.92 (4 splits a read: 3.55, 2.93, 2.24, 1.69).
+COMBINE_SPLITS_BLOCK = 8
+COMBINE_NUM_WARPS = 1
 
 
 @triton.jit
@@ -818,7 +823,7 @@ def _combine(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, 
         out, part_out, part_lse, out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         SPLITS_BLOCK=COMBINE_SPLITS_BLOCK, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        **launch_options(out.device))
+        num_warps=COMBINE_NUM_WARPS, **launch_options(out.device))
 
 
 def _split_workspace(num_tokens: int, num_heads: int, num_splits: int, head_dim_pad: int,
