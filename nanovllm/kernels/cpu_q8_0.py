@@ -72,22 +72,22 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._tensors())
+        return sum(t.nbytes for t in self.tensors())
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         """values, scales and (where kept) offsets."""
         return [self.values, self.scales] + ([] if self.offsets is None else [self.offsets])
 
     def rows(self, start: int, size: int) -> "Q8Weight":
         """Rows [start, start + size) (a tensor-parallel shard of the output rows)."""
-        return Q8Weight(*(t[start:start + size] for t in self._tensors()))
+        return Q8Weight(*(t[start:start + size] for t in self.tensors()))
 
     def padded(self, rows: int) -> "Q8Weight":
         """The same rows followed by zero rows up to `rows` (a vocabulary shard's padding)."""
         extra = rows - self.values.shape[0]
         if extra <= 0:
             return self
-        return Q8Weight(*(torch.cat([t, t.new_zeros(extra, t.shape[1])]) for t in self._tensors()))
+        return Q8Weight(*(torch.cat([t, t.new_zeros(extra, t.shape[1])]) for t in self.tensors()))
 
     def dequantize(self) -> torch.Tensor:
         """The weight's values as fp32 [out, in] (exact: gguf's dequantization, q * scale rounded
@@ -185,7 +185,7 @@ def q8_0_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
         raise ValueError(f"input of {k} features for a Q8_0 weight of {weight.values.shape[1]}")
     y = torch.empty(m, n, dtype=x.dtype)
     if m:
-        fn(x, *weight._tensors(), y, m, n, k, torch.get_num_threads())
+        fn(x, *weight.tensors(), y, m, n, k, torch.get_num_threads())
     return y
 
 
