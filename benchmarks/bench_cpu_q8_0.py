@@ -43,11 +43,16 @@ F16_SCALE = 1e-3  # the size of the random Q5_K blocks' fp16 d and dmin
 
 
 def _q5_k_weight(n: int, k: int) -> cpu_q8_0.Q8Weight:
-    """A Q5_K weight [n, k] of random blocks (random bytes, then d and dmin set to small fp16 values)."""
+    """A Q5_K weight [n, k] of random blocks (random bytes, then d and dmin set to small fp16 values).
+    A k that is not whole super-blocks of 256 (SmolLM2's 576) takes the first k columns of the next
+    size that is: the kernel reads blocks of 32, so it runs as on a real Q5_K row of that many."""
     _, block_bytes, _ = dequant.QUANT_TYPES["Q5_K"]
-    raw = torch.randint(0, 256, (n, k // dequant.QK_K, block_bytes), dtype=torch.uint8)  # [n, blocks, 176]
-    raw[..., :4] = (torch.rand(n, k // dequant.QK_K, 2) * F16_SCALE).half().view(torch.uint8)  # d, dmin
-    return cpu_q8_0.from_gguf(raw.view(n, -1), "Q5_K")
+    blocks = -(-k // dequant.QK_K)
+    raw = torch.randint(0, 256, (n, blocks, block_bytes), dtype=torch.uint8)            # [n, blocks, 176]
+    raw[..., :4] = (torch.rand(n, blocks, 2) * F16_SCALE).half().view(torch.uint8)      # d, dmin
+    whole = cpu_q8_0.from_gguf(raw.view(n, -1), "Q5_K")
+    cols = k // cpu_q8_0.BLOCK_OF["Q5_K"]
+    return cpu_q8_0.Q8Weight(whole.values[:, :k], whole.scales[:, :cols], whole.offsets[:, :cols])
 
 
 def _weights(n: int, k: int, copies: int, block: int, type_name: str | None, dtype: torch.dtype):

@@ -254,9 +254,8 @@ def test_layer_rows_choose_the_kernel_up_to_its_crossover(q5_k_gguf, monkeypatch
     calls = []
     real = cpu_q8_0.q8_0_linear
     monkeypatch.setattr(cpu_q8_0, "q8_0_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
-    config = gguf_method.GGUFConfig()
-    head_most = min(config.max_q8_0_head_rows, gguf_method.MAX_Q5_K_HEAD_ROWS[cpu_kind()])
-    for module, most in ((layer, gguf_method.MAX_Q5_K_ROWS[cpu_kind()]), (head, head_most)):
+    kind = cpu_kind()
+    for module, most in ((layer, gguf_method.MAX_Q5_K_ROWS[kind]), (head, gguf_method.MAX_Q5_K_HEAD_ROWS[kind])):
         for rows in (1, most, most + 1):
             calls.clear()
             y = module(torch.randn(rows, layer.input_size).bfloat16())  # (both take the hidden size)

@@ -111,10 +111,27 @@ MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
 MAX_Q6_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 3}
 # Token counts up to which a layer of Q5_K rows runs the Q8_0 kernel with offsets (its int8 values 0..31,
 # a scale and an offset per 32 values: 1.25 bytes a weight), per CPU kind; larger batches run the dense
-# product. MEASURED BELOW.
-MAX_Q5_K_ROWS = {"avx2": 1, "avx512_bf16": 1}
-# The same for a Q5_K LM head (and a tied one's embedding blocks): the 49152 x 576 head.
-MAX_Q5_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 1}
+# product. Measured on SmolLM2-135M-like shapes (960x576 qkv, 576x576 o, 3072x576 gate_up, 576x1536 down:
+# a layer's four products, summed below), two threads, the 2-core Zen 4 VM (benchmarks/RESULTS.md "GGUF
+# Q5_K kept quantized on the CPU (twentieth session)"), two runs each:
+# AVX512-BF16, bf16 x, against oneDNN's packed bf16 product (benchmarks/bench_cpu_q8_0.py --threads 2
+# --type Q5_K --shapes 960x576 576x576 3072x576 576x1536 49152x576 --rows 1 2 3 4 8): the four layers
+# 0.26 / 0.27 against 0.41 / 0.41 ms at 1 row, 0.32 / 0.30 against 0.43 / 0.41 at 2, 0.41 / 0.36 against
+# 0.46 / 0.41 at 3 (576x1536 alone 1.09 / 1.20x the dense time there), 0.46 / 0.43 against 0.45 / 0.41
+# at 4, 0.87 / 0.76 against 0.56 / 0.49 at 8.
+# AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on the same VM, fp32 x, against the engine's fp32
+# dense product: the column-major weight for 1-2 rows, oneDNN's packed copy from 3; the same command with
+# --dtype float32, then --rows 8 12 16 24 --repeats 30): 0.34 / 0.41 against 1.11 / 1.03 ms at 1 row,
+# 0.41 / 0.47 against 1.64 / 1.51 at 2, 0.49 / 0.67 against 1.06 / 1.28 at 4, 1.00 / 0.97 against
+# 1.33 / 1.34 at 8, 1.21 / 1.31 against 1.45 / 1.50 at 12, 1.55 / 1.63 against 1.59 / 1.72 at 16 (about
+# even), 2.28 / 2.41 against 1.89 / 2.06 at 24.
+MAX_Q5_K_ROWS = {"avx2": 12, "avx512_bf16": 3}
+# The same for a Q5_K LM head (and a tied one's embedding blocks), the 49152 x 576 head, same runs:
+# AVX512-BF16 1.69 / 2.08 against 3.43 / 3.28 ms at 1 row, 2.65 / 2.53 against 3.63 / 3.18 at 3,
+# 3.60 / 2.93 against 3.78 / 3.28 at 4, 4.87 / 4.81 against 3.98 / 3.84 at 8; AVX2 2.25 / 1.59 against
+# 6.85 / 5.86 at 1, 5.88 / 6.47 against 8.62 / 8.62 at 8, 8.13 / 10.12 against 10.07 / 9.93 at 12,
+# 13.9 / 14.2 against 11.7 / 11.3 at 16.
+MAX_Q5_K_HEAD_ROWS = {"avx2": 8, "avx512_bf16": 3}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -131,6 +148,7 @@ class GGUFConfig(QuantizationConfig):
         self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
         self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
         self.max_q5_k_rows = MAX_Q5_K_ROWS[cpu_kind()]
+        self.max_q5_k_head_rows = MAX_Q5_K_HEAD_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
@@ -150,8 +168,8 @@ class GGUFConfig(QuantizationConfig):
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         """The LM head runs its batches of up to `max_q8_0_head_rows` rows (a Q6_K head: at most
-        MAX_Q6_K_HEAD_ROWS; Q5_K: MAX_Q5_K_HEAD_ROWS) by its blocks' values (a tied head: the token
-        embedding's, layers/embed_head.py)."""
+        MAX_Q6_K_HEAD_ROWS; a Q5_K head: `max_q5_k_head_rows`) by its blocks' values (a tied head: the
+        token embedding's, layers/embed_head.py)."""
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is None or not self.keeps_q8_0_embedding():
@@ -159,14 +177,14 @@ class GGUFConfig(QuantizationConfig):
         if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
             head.q8_weight, head.q8_dtype = embed.q8_weight, embed.q8_dtype
         weight = getattr(head, "q8_weight", None)
-        if weight is not None:
-            if weight.offsets is not None:      # Q5_K
-                most = MAX_Q5_K_HEAD_ROWS[cpu_kind()]
-            elif weight.block == cpu_q8_0.BLOCK_OF["Q6_K"]:
-                most = MAX_Q6_K_HEAD_ROWS[cpu_kind()]
-            else:
-                most = math.inf
-            head.q8_max_rows = min(self.max_q8_0_head_rows, most)
+        if weight is None:
+            return
+        if weight.offsets is not None:  # Q5_K: measured apart
+            head.q8_max_rows = self.max_q5_k_head_rows
+        elif weight.block == cpu_q8_0.BLOCK_OF["Q6_K"]:
+            head.q8_max_rows = min(self.max_q8_0_head_rows, MAX_Q6_K_HEAD_ROWS[cpu_kind()])
+        else:
+            head.q8_max_rows = self.max_q8_0_head_rows
 
 
 @register_quantization("gguf_dequant")
