@@ -175,7 +175,7 @@ def built_for(dtype: torch.dtype, type_name: str) -> bool:
 
 def q8_0_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
     """x [num_tokens, in] (fp32 or bf16, CPU) @ dequantize(weight).T -> [num_tokens, out] in x's
-    dtype, accumulated in fp32. The caller checks `built(x.dtype, weight.block)`."""
+    dtype, accumulated in fp32. The caller checks `built` (`built_for`) for x's dtype and the weight."""
     fn = _build(x.dtype, weight.block, weight.offsets is not None)
     assert fn is not None, "q8_0_linear called where the kernel is not built"
     x = x.contiguous()

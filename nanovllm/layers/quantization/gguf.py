@@ -15,8 +15,9 @@ file's values), for the Q8_0 kernel (kernels/cpu_q8_0.py); everything else (F16,
 layers of mixed types, shapes the kernels cannot take, the GPU) stays on the dense path,
 dequantized. The token embedding and the LM head are not linear layers: one of those three types
 keeps its blocks too (layers/embed_head.py): the embedding reads its rows from them and the head
-runs batches of up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`;
-a tied head shares the embedding's blocks). Other types stay dense.
+runs batches of up to `max_q8_0_head_rows` rows (Q6_K, Q5_K: their own measured counts) by the Q8_0
+kernel (`process_model_after_loading`; a tied head shares the embedding's blocks). Other types stay
+dense.
 
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
 is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes fp32 or bf16
@@ -126,7 +127,7 @@ MAX_Q6_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 3}
 # 1.33 / 1.34 at 8, 1.21 / 1.31 against 1.45 / 1.50 at 12, 1.55 / 1.63 against 1.59 / 1.72 at 16 (about
 # even), 2.28 / 2.41 against 1.89 / 2.06 at 24.
 MAX_Q5_K_ROWS = {"avx2": 12, "avx512_bf16": 3}
-# The same for a Q5_K LM head (and a tied one's embedding blocks), the 49152 x 576 head, same runs:
+# The same for a Q5_K LM head, the 49152 x 576 head, same runs:
 # AVX512-BF16 1.69 / 2.08 against 3.43 / 3.28 ms at 1 row, 2.65 / 2.53 against 3.63 / 3.18 at 3,
 # 3.60 / 2.93 against 3.78 / 3.28 at 4, 4.87 / 4.81 against 3.98 / 3.84 at 8; AVX2 2.25 / 1.59 against
 # 6.85 / 5.86 at 1, 5.88 / 6.47 against 8.62 / 8.62 at 8, 8.13 / 10.12 against 10.07 / 9.93 at 12,
