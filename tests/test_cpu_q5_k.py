@@ -109,6 +109,20 @@ def test_rows_and_padding_keep_offsets():
     assert torch.equal(part.dequantize()[3:], torch.zeros(2, 2 * QK_K))
 
 
+def test_row_parallel_gather_takes_this_ranks_columns():
+    """GGUFLinearMethod's gather of Q5_K parts for rank 1 of 2 of a row-parallel layer: values, scales and
+    offsets each take the second half of the columns (a super-block each here)."""
+    import types
+    from nanovllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
+    weight = cpu_q8_0.from_gguf(random_q5_k_blocks(8, 2), "Q5_K")
+    layer = types.SimpleNamespace(weight=torch.empty(8, QK_K), tp_rank=1)
+    source = torch.stack([torch.zeros(8), torch.arange(8)], 1).long()         # [out, (part, row)]
+    values, scales, offsets = GGUFLinearMethod(GGUFConfig())._gather(layer, source, [weight.tensors()], SUB_BLOCK)
+    half = SUB_BLOCKS                                                          # sub-blocks in the first half
+    assert torch.equal(values, weight.values[:, QK_K:]) and torch.equal(scales, weight.scales[:, half:])
+    assert torch.equal(offsets, weight.offsets[:, half:])
+
+
 def _bound(x: torch.Tensor, weight: cpu_q8_0.Q8Weight) -> torch.Tensor:
     """An fp32 bound on the kernel's error against the exact product [m, n]: its k products q * scale *
     x and k / 32 products offset * (a block's sum of x), added in any order, each term within
