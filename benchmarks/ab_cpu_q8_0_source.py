@@ -77,8 +77,8 @@ def main() -> None:
                     if r:
                         times[name].append(t)
             med = {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
-            print(f"{n}x{k} M={m}: old {med['old']:.3f} ms  new {med['new']:.3f} ms  new/old {med['new'] / med['old']:.3f}",
-                  flush=True)
+            ratio = med["new"] / med["old"]
+            print(f"{n}x{k} M={m}: old {med['old']:.3f} ms  new {med['new']:.3f} ms  new/old {ratio:.3f}", flush=True)
             results.append({"shape": [n, k], "rows": m, **{f"{k_}_ms": v for k_, v in med.items()}})
     print(json.dumps({"rev": args.rev, "block": args.block, "dtype": args.dtype, "threads": args.threads,
                       "results": results}))

@@ -7,7 +7,8 @@ The same random 4-bit weights (values 0..15, a scale and a zero per group of 32)
 `--copies` of them used in turn (the head: 2); the two kernels alternate within each repeat; medians.
 
     python benchmarks/bench_cpu_q4_k_forms.py --threads 2
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_cpu_q4_k_forms.py --threads 2 --dtype float32
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_cpu_q4_k_forms.py --threads 2 \
+        --dtype float32
 
 Prints one line per (shape, rows) and a final JSON line.
 """

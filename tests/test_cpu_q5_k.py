@@ -170,7 +170,8 @@ def q5_k_gguf(tmp_path_factory):
     from tiny_models import build_tiny_model
     d = tmp_path_factory.mktemp("tiny-Q5_K")
     # Q5_K rows are whole super-blocks: every input size a multiple of 256
-    hf = build_tiny_model("qwen3", str(d / "hf"), rope_scaling=None, hidden_size=256, intermediate_size=512, head_dim=64)
+    hf = build_tiny_model("qwen3", str(d / "hf"), rope_scaling=None, hidden_size=256, intermediate_size=512,
+                          head_dim=64)
     path = str(d / "tiny-Q5_K.gguf")
     quantize = gguf.quants.quantize
     with pytest.MonkeyPatch.context() as patch:
