@@ -5,7 +5,7 @@ holds a contiguous range of rows. Padded rows are zero in the embedding and are
 cut from the logits. With tied embeddings the LM head shares the embedding's
 shard, so each rank still holds one copy of its rows only.
 
-A GGUF Q8_0 or Q6_K tensor loaded where the quantization keeps it (`keeps_q8_0_embedding`: the "gguf"
+A GGUF Q8_0, Q6_K or Q5_K tensor loaded where the quantization keeps it (`keeps_q8_0_embedding`: the "gguf"
 method on the CPU) also keeps this rank's rows of its blocks (`q8_weight`, kernels/cpu_q8_0.py):
 the embedding reads its rows from them (the same values as the dense copy, which was rounded
 from them alike), and the LM head runs batches of up to `q8_max_rows` rows by the Q8_0 kernel
@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
             param.data[:size].copy_(read_shard(loaded, 0, self.vocab_start, size))
         type_name = getattr(loaded, "gguf_type", None)
         if (self.keeps_q8_0 and type_name in cpu_q8_0.BLOCK_OF and param.device.type == "cpu"
-                and cpu_q8_0.built(param.dtype, cpu_q8_0.BLOCK_OF[type_name])):
+                and cpu_q8_0.built_for(param.dtype, type_name)):
             blocks = cpu_q8_0.from_gguf(loaded.gguf_raw.view(loaded.shape[0], -1), type_name)
             self.q8_weight = blocks.rows(self.vocab_start, size).padded(self.shard_size)
             self.q8_dtype = param.dtype

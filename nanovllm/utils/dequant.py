@@ -87,10 +87,17 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)  # one bit of qh per Q5_K sub-block
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_K blocks [n_blocks, 176] uint8 -> their 5-bit values q [n_blocks, 8, 32] (0..31, as floats)
+    and each sub-block's scale and offset [n_blocks, 8, 1]: the block's values are q * scale - offset."""
     scale, offset = _k_affine(blocks)
     qh = (blocks[:, 16:48].unsqueeze(1) >> _BIT_SHIFTS.view(1, 8, 1)) & 1  # [n_blocks, 8, 32]
     q = _nibbles(blocks[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32).add_(qh.float() * 16)
+    return q, scale, offset
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    q, scale, offset = q5_k_parts(blocks)
     return q.mul_(scale).sub_(offset).reshape(-1, QK_K)
 
 

@@ -7,7 +7,7 @@
   `llama.expert_count` is Mixtral).
 - `iter_gguf_weights(path)`: `(HF-style name, float32 tensor)` for every tensor,
   dequantized by `utils/dequant.py`, with llama.cpp's Q/K row permutation undone
-  for llama and granite files. A 4-bit, Q8_0 or Q6_K matrix also carries its raw blocks
+  for llama and granite files. A 4-bit, Q8_0, Q6_K or Q5_K matrix also carries its raw blocks
   (`tensor.gguf_raw`, `tensor.gguf_type`) for the CPU's kernels (QUANTIZED_LINEAR_TYPES). Expert tensors keep llama.cpp's layout (one tensor per
   layer with a leading expert dimension, `ffn_*_exps`, or one per expert in older
   Mixtral files, `ffn_*.E`), which `layers/fused_moe.py` packs as it packs HF's.
@@ -308,7 +308,7 @@ def _file_dtype(header: GGUFHeader) -> str | None:
 # ---- weights -------------------------------------------------------------------
 
 # block types whose raw blocks a weight keeps beside its dequantized values
-QUANTIZED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0")
+QUANTIZED_LINEAR_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 # GGUF tensor name -> HF name; blk.N.<key> maps to model.layers.N.<value>
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

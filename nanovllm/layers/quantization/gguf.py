@@ -1,4 +1,4 @@
-"""GGUF weights on the CPU: 4-bit, Q8_0 and Q6_K blocks kept quantized for their kernels.
+"""GGUF weights on the CPU: 4-bit, Q8_0, Q6_K and Q5_K blocks kept quantized for their kernels.
 
 A GGUF file's model config names this method ("gguf"). Each linear layer loads its weight
 dequantized, exactly as the dense path does, and also keeps the raw blocks of every
@@ -9,28 +9,32 @@ the file's exact values) where it was measured faster (MAX_Q4_ROWS), and, where 
 AVX512-VNNI, for the int8 VNNI kernel that runs the batches above those rows
 (kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
-a layer whose rows are all Q8_0 or all Q6_K keeps them as int8 values and fp32 scales (one per
-32 values; per 16 for Q6_K: exactly the file's values) for the Q8_0 kernel
-(kernels/cpu_q8_0.py); everything else (Q5_K, F16, F32 tensors, layers of
-mixed types, shapes the kernels cannot take, the GPU) stays on the dense path, dequantized. The
-token embedding and the LM head are not linear layers: one of those two types keeps its blocks too
-(layers/embed_head.py): the embedding reads its rows from them and the head runs batches of
-up to `max_q8_0_head_rows` rows by the Q8_0 kernel (`process_model_after_loading`; a tied
-head shares the embedding's blocks). Other types stay dense.
+a layer whose rows are all Q8_0, all Q6_K or all Q5_K keeps them as int8 values and fp32 scales (one
+per 32 values; per 16 for Q6_K), with, for Q5_K, an fp32 offset per 32 values too (exactly the
+file's values), for the Q8_0 kernel (kernels/cpu_q8_0.py); everything else (F16, F32 tensors,
+layers of mixed types, shapes the kernels cannot take, the GPU) stays on the dense path,
+dequantized. The token embedding and the LM head are not linear layers: one of those three types
+keeps its blocks too (layers/embed_head.py): the embedding reads its rows from them and the head
+runs batches of up to `max_q8_0_head_rows` rows (Q6_K, Q5_K: their own measured counts) by the Q8_0
+kernel (`process_model_after_loading`; a tied head shares the embedding's blocks). Other types stay
+dense.
 
 Where it runs: the int4 product runs in bf16 (fast; in fp32 it is 30-60x slower), so it
 is used when the engine's dtype is "auto" or "bfloat16"; the Q8_0 kernel takes fp32 or bf16
 activations (accumulating in fp32) and is used under the same options, so that
 `dtype="float32"` still asks for fp32 products and gets every weight dequantized (exact), as
 does `quantization="gguf_dequant"`. Batches of more than `max_q4_rows` / `max_int4_rows` /
-`max_q8_0_rows` tokens run the dense product (oneDNN's packed copy of the dequantized weight:
-kernels/cpu_gemm.py), which is faster there; in decode steps a layer with the VNNI pack runs
-the VNNI kernel instead (prefill steps too only with VNNI_PREFILL). The crossovers are measured
-per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_VNNI_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS.
+`max_q8_0_rows` / `max_q5_k_rows` tokens run the dense product (oneDNN's packed copy of the
+dequantized weight: kernels/cpu_gemm.py), which is faster there; in decode steps a layer with the
+VNNI pack runs the VNNI kernel instead (prefill steps too only with VNNI_PREFILL). The crossovers are
+measured per CPU kind: MAX_Q4_ROWS, MAX_INT4_ROWS, MAX_VNNI_ROWS, MAX_Q8_0_ROWS, MAX_Q8_0_HEAD_ROWS,
+MAX_Q6_K_HEAD_ROWS, MAX_Q5_K_ROWS, MAX_Q5_K_HEAD_ROWS.
 
 Which products are exact: `dtype="float32"` and `quantization="gguf_dequant"` (the dequantized
 weight, fp32 or the dtype asked for); the Q4 kernel and the Q8_0 kernel (the file's values
-times x in fp32, in another summation order; the dense bf16 weight rounds them to bf16). Not
+times x in fp32, in another summation order; for Q5_K the scaled values and the offsets times the
+block sums of x, apart, which skips dequantization's rounding of their sum: half an fp32 ulp a
+weight at most; the dense bf16 weight rounds them to bf16). Not
 exact: the int4 kernel (bf16 scales and activations) and the VNNI kernel, which rounds x to
 8 bits per 32 values (kernels/cpu_gguf_vnni.py has its error; VNNI_PRODUCTS = False turns it off
 and those batches run the dense bf16 product again).
@@ -106,6 +110,29 @@ MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
 # head, two threads (benchmarks/bench_cpu_q8_0.py --block 16; RESULTS.md "GGUF Q6_K kept as int8 values on
 # the CPU"): 1.41 against 2.73 ms at 1 row, 1.48 / 2.59 at 2, 1.84 / 2.28 at 3, 2.45 / 2.36 at 4. AVX2: as Q8_0.
 MAX_Q6_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 3}
+# Token counts up to which a layer of Q5_K rows runs the Q8_0 kernel with offsets (its int8 values 0..31,
+# a scale and an offset per 32 values: 1.25 bytes a weight), per CPU kind; larger batches run the dense
+# product. Measured on SmolLM2-135M-like shapes (960x576 qkv, 576x576 o, 3072x576 gate_up, 576x1536 down:
+# a layer's four products, summed below), two threads, the 2-core Zen 4 VM (benchmarks/RESULTS.md "GGUF
+# Q5_K kept quantized on the CPU (twentieth session)"), two runs each:
+# AVX512-BF16, bf16 x, against oneDNN's packed bf16 product (benchmarks/bench_cpu_q8_0.py --threads 2
+# --type Q5_K --shapes 960x576 576x576 3072x576 576x1536 49152x576 --rows 1 2 3 4 8): the four layers
+# 0.26 / 0.27 against 0.41 / 0.41 ms at 1 row, 0.32 / 0.30 against 0.43 / 0.41 at 2, 0.41 / 0.36 against
+# 0.46 / 0.41 at 3 (576x1536 alone 1.09 / 1.20x the dense time there), 0.46 / 0.43 against 0.45 / 0.41
+# at 4, 0.87 / 0.76 against 0.56 / 0.49 at 8.
+# AVX2 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on the same VM, fp32 x, against the engine's fp32
+# dense product: the column-major weight for 1-2 rows, oneDNN's packed copy from 3; the same command with
+# --dtype float32, then --rows 8 12 16 24 --repeats 30): 0.34 / 0.41 against 1.11 / 1.03 ms at 1 row,
+# 0.41 / 0.47 against 1.64 / 1.51 at 2, 0.49 / 0.67 against 1.06 / 1.28 at 4, 1.00 / 0.97 against
+# 1.33 / 1.34 at 8, 1.21 / 1.31 against 1.45 / 1.50 at 12, 1.55 / 1.63 against 1.59 / 1.72 at 16 (about
+# even), 2.28 / 2.41 against 1.89 / 2.06 at 24.
+MAX_Q5_K_ROWS = {"avx2": 12, "avx512_bf16": 3}
+# The same for a Q5_K LM head, the 49152 x 576 head, same runs:
+# AVX512-BF16 1.69 / 2.08 against 3.43 / 3.28 ms at 1 row, 2.65 / 2.53 against 3.63 / 3.18 at 3,
+# 3.60 / 2.93 against 3.78 / 3.28 at 4, 4.87 / 4.81 against 3.98 / 3.84 at 8; AVX2 2.25 / 1.59 against
+# 6.85 / 5.86 at 1, 5.88 / 6.47 against 8.62 / 8.62 at 8, 8.13 / 10.12 against 10.07 / 9.93 at 12,
+# 13.9 / 14.2 against 11.7 / 11.3 at 16.
+MAX_Q5_K_HEAD_ROWS = {"avx2": 8, "avx512_bf16": 3}
 _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 
@@ -121,6 +148,8 @@ class GGUFConfig(QuantizationConfig):
         self.vnni_prefill = VNNI_PREFILL
         self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
         self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
+        self.max_q5_k_rows = MAX_Q5_K_ROWS[cpu_kind()]
+        self.max_q5_k_head_rows = MAX_Q5_K_HEAD_ROWS[cpu_kind()]
 
     @classmethod
     def from_config(cls, quant_config: dict) -> "GGUFConfig":
@@ -140,18 +169,23 @@ class GGUFConfig(QuantizationConfig):
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         """The LM head runs its batches of up to `max_q8_0_head_rows` rows (a Q6_K head: at most
-        MAX_Q6_K_HEAD_ROWS) by its blocks' values (a tied head: the token embedding's,
-        layers/embed_head.py)."""
+        MAX_Q6_K_HEAD_ROWS; a Q5_K head: `max_q5_k_head_rows`) by its blocks' values (a tied head: the
+        token embedding's, layers/embed_head.py)."""
         head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is None or not self.keeps_q8_0_embedding():
             return
         if getattr(head, "q8_weight", None) is None and embed is not None and head.weight is embed.weight:
             head.q8_weight, head.q8_dtype = embed.q8_weight, embed.q8_dtype
-        if getattr(head, "q8_weight", None) is not None:
-            q6_k = head.q8_weight.block == cpu_q8_0.BLOCK_OF["Q6_K"]
-            head.q8_max_rows = min(self.max_q8_0_head_rows, MAX_Q6_K_HEAD_ROWS[cpu_kind()]) if q6_k \
-                else self.max_q8_0_head_rows
+        weight = getattr(head, "q8_weight", None)
+        if weight is None:
+            return
+        if weight.offsets is not None:  # Q5_K: measured apart
+            head.q8_max_rows = self.max_q5_k_head_rows
+        elif weight.block == cpu_q8_0.BLOCK_OF["Q6_K"]:
+            head.q8_max_rows = min(self.max_q8_0_head_rows, MAX_Q6_K_HEAD_ROWS[cpu_kind()])
+        else:
+            head.q8_max_rows = self.max_q8_0_head_rows
 
 
 @register_quantization("gguf_dequant")
@@ -175,8 +209,9 @@ class GGUFDequantConfig(QuantizationConfig):
 
 class GGUFLinearMethod(UnquantizedLinearMethod):
     """Dense weight (dequantized) plus, where every row is a 4-bit GGUF type, the Q4 kernel's or
-    the int4 pack (and, all Q4_0 or all Q4_1, the VNNI pack), and where every row is Q8_0 or every
-    row Q6_K, the int8 values and scales in the Q8_0 kernel's layout."""
+    the int4 pack (and, all Q4_0 or all Q4_1, the VNNI pack), and where every row is Q8_0, every
+    row Q6_K or every row Q5_K, the int8 values and scales (Q5_K: and offsets) in the Q8_0 kernel's
+    layout."""
 
     def __init__(self, config: GGUFConfig):
         self.max_q4_rows = config.max_q4_rows
@@ -184,6 +219,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         self.max_vnni_rows = config.max_vnni_rows
         self.vnni_prefill = config.vnni_prefill
         self.max_q8_0_rows = config.max_q8_0_rows
+        self.max_q5_k_rows = config.max_q5_k_rows
+        self.q8_max_rows = 0  # batches of up to this many rows run the Q8_0 kernel (where `q8` is kept)
         self.parts: list[tuple[str, torch.Tensor]] = []  # (ggml type, raw [rows, bytes]) per tensor
         self.row_source: nn.Parameter | None = None      # [out, 2]: (part, row) of each output row
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -222,15 +259,18 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             self.vnni = self._pack_q4(layer, source.long(), next(iter(types)), cpu_gguf_vnni)
         int4 = (loaded and self.max_int4_rows > 0 and types <= set(cpu_int4.INT4_GGUF_TYPES)
                 and cpu_int4.can_pack(*layer.weight.shape))
-        block = cpu_q8_0.BLOCK_OF.get(next(iter(types))) if len(types) == 1 else None
-        q8 = (loaded and self.max_q8_0_rows > 0 and block is not None and layer.weight.shape[1] % block == 0
-              and cpu_q8_0.built(layer.weight.dtype, block))
+        type_name = next(iter(types)) if len(types) == 1 else None
+        block = cpu_q8_0.BLOCK_OF.get(type_name)
+        q8_rows = self.max_q5_k_rows if type_name in cpu_q8_0.OFFSET_TYPES else self.max_q8_0_rows
+        q8 = (loaded and q8_rows > 0 and block is not None and layer.weight.shape[1] % block == 0
+              and cpu_q8_0.built_for(layer.weight.dtype, type_name))
         if self.q4 is None and int4:
             q, scale, zero = self._gather(layer, source.long(), self._int4_parts(), cpu_int4.GROUP_SIZE)
             self.packed = cpu_int4.pack_int4(q, scale, zero, torch.bfloat16)
         elif q8:
-            parts = [(w.values, w.scales) for w in (cpu_q8_0.from_gguf(raw, t) for t, raw in self.parts)]
+            parts = [cpu_q8_0.from_gguf(raw, t).tensors() for t, raw in self.parts]
             self.q8 = cpu_q8_0.Q8Weight(*self._gather(layer, source.long(), parts, block))
+            self.q8_max_rows = q8_rows
         self.parts, self.row_source = [], None  # the raw blocks are not needed any more
 
     def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str, kernel):
@@ -254,7 +294,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def _gather(self, layer: nn.Module, source: torch.Tensor, parts: list[tuple[torch.Tensor, ...]], group: int):
         """Each of the parts' tensors ([ckpt_rows, ckpt_in] values, then [ckpt_rows, ckpt_in / group]
-        scales) at this layer's rows (and this rank's columns)."""
+        scales and, where there are, zeros or offsets) at this layer's rows (and this rank's columns)."""
         gathered = self._layer_rows(source, parts)                      # [out, ckpt_in], [out, ckpt_in / group]
         in_features = layer.weight.shape[1]
         start = self._shard_start(layer, gathered[0].shape[1])
@@ -282,7 +322,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         """The largest batch this layer's own kernels run, each from one row up (kernels/cpu_linear.py
         keeps the dense copies that larger batches need); math.inf: every batch."""
         if self.q8 is not None:
-            return self.max_q8_0_rows
+            return self.q8_max_rows
         return max(self.max_q4_rows if self.q4 is not None else 0,
                    self.max_int4_rows if self.packed is not None else 0,
                    self.max_vnni_rows if self.vnni is not None and self.vnni_prefill else 0)
@@ -295,7 +335,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
         elif self.vnni is not None and x.shape[0] <= self.max_vnni_rows and (self.vnni_prefill or in_decode_step()):
             y = cpu_gguf_vnni.vnni_linear(x, self.vnni)  # [num_tokens, out]; None: a dtype it does not take
-        elif self.q8 is not None and x.shape[0] <= self.max_q8_0_rows:
+        elif self.q8 is not None and x.shape[0] <= self.q8_max_rows:
             y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
         if y is None:
             return super().apply(layer, x, bias)

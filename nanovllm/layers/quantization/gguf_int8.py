@@ -60,7 +60,9 @@ class GGUFInt8Config(GGUFConfig):
         self.max_q4_rows = min(self.max_q4_rows, self.min_rows - 1)
         self.max_vnni_rows = min(self.max_vnni_rows, self.min_rows - 1)
         self.max_q8_0_rows = min(self.max_q8_0_rows, self.min_rows - 1)
+        self.max_q5_k_rows = min(self.max_q5_k_rows, self.min_rows - 1)
         self.max_q8_0_head_rows = min(self.max_q8_0_head_rows, self.min_rows - 1) if INT8_LM_HEAD else 0
+        self.max_q5_k_head_rows = min(self.max_q5_k_head_rows, self.min_rows - 1) if INT8_LM_HEAD else 0
 
     def process_model_after_loading(self, model: nn.Module) -> None:
         if self.int8:
