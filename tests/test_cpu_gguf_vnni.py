@@ -129,7 +129,7 @@ def test_zero_blocks_and_bad_input():
 
 def test_no_vnni_packs_nothing(monkeypatch):
     """Where the CPU lacks AVX512-VNNI (AVX2 machines) `pack` returns None and the layers keep their path."""
-    monkeypatch.setattr(cpu_gguf_vnni, "cpu_has_vnni", lambda: False)
+    monkeypatch.setattr(cpu_gguf_vnni, "kernel_isa", lambda: None)
     assert not cpu_gguf_vnni.runs_here()
     assert cpu_gguf_vnni.pack(torch.zeros(16, 20, dtype=torch.uint8), "Q4_1") is None
 
