@@ -6,8 +6,8 @@ checkpoint tensor it was loaded from, with where each checkpoint row went (packe
 and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
 Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
 the file's exact values) where it was measured faster (MAX_Q4_ROWS), and, where the CPU has
-AVX512-VNNI, for the int8 VNNI kernel that runs the batches above those rows
-(kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
+AVX512-VNNI or AVX2, for the int8 "VNNI" kernel (vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd) that
+runs the batches above those rows (kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
 a layer whose rows are all Q8_0 or all Q6_K keeps them as int8 values and fp32 scales (one per
 32 values; per 16 for Q6_K: exactly the file's values) for the Q8_0 kernel
@@ -67,8 +67,9 @@ MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
 # (a layer on the Q4 kernel keeps no int4 pack: where it runs, it must take every row the int4 kernel did)
 assert all(MAX_Q4_ROWS[kind] in (0, MAX_INT4_ROWS[kind]) for kind in MAX_Q4_ROWS)
 # Whether batches above MAX_Q4_ROWS of a Q4_0 / Q4_1 layer run the int8 VNNI kernel
-# (kernels/cpu_gguf_vnni.py: x rounded to 8 bits per 32 values, not exact) where the CPU has it;
-# False: they run the dense bf16 product on the dequantized weight, as before.
+# (kernels/cpu_gguf_vnni.py: x rounded to 8 bits per 32 values, not exact) where the CPU has it
+# (AVX512-VNNI or AVX2); False: they run the dense product on the dequantized weight (bf16, or fp32
+# on the AVX2 kind), as before.
 VNNI_PRODUCTS = True
 # Whether prefill steps (and steps that mix prefill and decode) run it too; False: decode steps only,
 # and prefill keeps the dense bf16 product (and each layer its dense copy: ~2 bytes a weight beside
@@ -236,7 +237,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str, kernel):
         """This layer's rows (and this rank's columns) of the raw blocks in the layout of `kernel`
         (the module cpu_gguf_q4 or cpu_gguf_vnni); None where it does not take them (another
-        type, no C++ compiler, no VNNI)."""
+        type, no C++ compiler, neither of the VNNI kernel's forms)."""
         block_bytes = kernel.GGUF_BLOCK_BYTES.get(type_name)
         raws = [raw for _, raw in self.parts]
         if block_bytes is None or len({raw.shape[1] for raw in raws}) != 1:
