@@ -61,8 +61,12 @@ ISA_FLAGS = {"avx512_vnni": frozenset({"avx512_vnni", "avx512bw", "avx512f"}),
 # rows. AVX512-VNNI (2 x TILE_M x TILE_G of the 32 vector registers hold the int32 dots and fp32 sums):
 # SmolLM2's 120 layers at 16 / 64 / 256 rows, bf16 x, two threads (benchmarks/bench_cpu_q4.py
 # --kinds vnnibfMxG; RESULTS.md "Int8 (VNNI) products ... (nineteenth session)"): 4x2 12.1 / 32.0 /
-# 121.0 ms; 6x2, 5x2 and 4x3 within 5% of it; 3x4 34.2 and 8x1 35.3 ms at 64 rows.
-TILES = {"avx512_vnni": (4, 2), "avx2": (4, 1)}
+# 121.0 ms; 6x2, 5x2 and 4x3 within 5% of it; 3x4 34.2 and 8x1 35.3 ms at 64 rows. AVX2 (16 vector
+# registers: the int16 sums of a block and the unpacked nibbles fill them, the fp32 sums spill), the
+# same layers, fp32 x, under ATEN_CPU_CAPABILITY=avx2 (--kinds vnniMxG; RESULTS.md "The int8 GGUF
+# product on AVX2 (twentieth session)"), three runs at 16 / 64 / 256 rows: 6x1 18.6-19.9 / 61.3-66.8 /
+# 211-246 ms; 8x1, 5x1 and 3x2 within the noise of it; 2x1, 4x1, 1x2, 2x2 slower (1x2 76-78 at 64).
+TILES = {"avx512_vnni": (4, 2), "avx2": (6, 1)}
 _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "long"]  # kernel() in the .cpp
 
 

@@ -88,9 +88,14 @@ VNNI_PREFILL = False
 # layers cold, two threads, Q4_1, bf16 x; RESULTS.md "Int8 (VNNI) products for batches of GGUF
 # 4-bit weights (nineteenth session)"): VNNI against oneDNN's packed bf16 product 7.07 / 12.02 ms at
 # 5 rows, 7.33 / 12.48 at 8, 11.56 / 23.21 at 16, 32.25 / 43.40 at 64, 134.8 / 153.5 at 256,
-# 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 has no VNNI of
-# 512 bits: 0 (the int4 kernel and the dense product, as before).
-MAX_VNNI_ROWS = {"avx2": 0, "avx512_bf16": math.inf}
+# 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 (the kernel's AVX2
+# form, vpmaddubsw + vpmaddwd; the fp32 engine; the same bench with fp32 x under ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 on that VM, two runs; RESULTS.md "The int8 GGUF product on AVX2 (twentieth
+# session)"): against oneDNN's packed fp32 product 15.6 / 16.3 against 44.7 / 48.3 ms at 16 rows,
+# 52.5 / 54.8 against 108.0 / 107.1 at 64, 225 / 188 against 351 / 343 at 256: faster at every batch
+# measured too (and than the int4 kernel, which keeps rows up to MAX_INT4_ROWS: 9.0 / 11.0 against
+# 23.8 / 28.8 at 8 rows).
+MAX_VNNI_ROWS = {"avx2": math.inf, "avx512_bf16": math.inf}
 # The layers' types it runs (its Q8_0 form was measured for the LM head only, not for layers, whose
 # Q8_0 kernel keeps its small batches: kernels/cpu_gguf_vnni.py)
 VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
