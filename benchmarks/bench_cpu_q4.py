@@ -9,9 +9,11 @@ step: benchmarks/bench_cpu_gemm.py's shapes) at M rows, with each kernel:
   q4 itself prefetches cpu_gguf_q4.PREFETCH_BYTES ahead)
 - int4: torch's `_weight_int4pack_mm_for_cpu` on the same GGUF blocks as the engine packs them
   (kernels/cpu_int4.py: bf16 activations, bf16 scales and zeros), bf16 x
-- vnni: the int8 VNNI kernel for batches (kernels/cpu_gguf_vnni.py; x quantized to int8 per 32), fp32
-  x; vnnibf: bf16 x; vnnibfMxG: bf16 x, the kernel built with TILE_M = M, TILE_G = G
-- dnnbf: oneDNN's bf16 `_linear_pointwise` on the dequantized weight packed once (kernels/cpu_gemm.py)
+- vnni: the int8 kernel for batches (kernels/cpu_gguf_vnni.py; x quantized to int8 per 32; its AVX512-VNNI
+  form, or its AVX2 form where the CPU, or ATEN_CPU_CAPABILITY=avx2, has no AVX512-VNNI), fp32 x;
+  vnnibf: bf16 x; vnniMxG / vnnibfMxG: fp32 / bf16 x, the kernel built with TILE_M = M, TILE_G = G
+- dnnbf: oneDNN's bf16 `_linear_pointwise` on the dequantized weight packed once (kernels/cpu_gemm.py);
+  dnn: the same in fp32 (what an fp32 engine, the AVX2 kind's, runs for batches)
 
 The kernels alternate within each repeat (a busy machine slows all of them alike); medians are
 printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights occupy.
@@ -20,6 +22,8 @@ printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights oc
     python benchmarks/bench_cpu_q4.py --threads 2 --rows 1 --kinds q4 q4pf0 q4pf1024 --type Q4_0
     python benchmarks/bench_cpu_q4.py --threads 2 --rows 16 64 256 --kinds vnnibf dnnbf --repeats 7
     python benchmarks/bench_cpu_q4.py --rows 1 2 4 8 --repeats 3 --accuracy   (errors against x @ dequant(W)^T)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_cpu_q4.py --threads 2 \
+        --rows 1 2 4 8 16 64 256 --kinds vnni q4 int4 dnn   (the AVX2 kind, emulated: utils/device.py)
 
 Prints one line per row count and a final JSON line.
 """
@@ -73,23 +77,28 @@ def prepare(kind: str, raws: list[torch.Tensor], type_name: str):
         return packs, fn, kind == "q4bf", sum(p.data.nbytes for p in packs)
     if kind.startswith("vnni"):
         packs = [cpu_gguf_vnni.pack(r, type_name) for r in raws]
-        assert all(p is not None for p in packs), "no AVX512-VNNI or no C++ compiler"
+        assert all(p is not None for p in packs), "no AVX512-VNNI nor AVX2, or no C++ compiler"
         fn = cpu_gguf_vnni.vnni_linear
-        if "x" in kind:  # vnnibfMxG: another register tile
-            tile_m, tile_g = (int(v) for v in kind[len("vnnibf"):].split("x"))
-            built = cpu_gguf_vnni._build(torch.bfloat16, type_name, tile_m, tile_g)
+        bf16 = kind.startswith("vnnibf")
+        tile = kind[len("vnnibf" if bf16 else "vnni"):]
+        if tile:  # vnniMxG / vnnibfMxG: another register tile
+            tile_m, tile_g = (int(v) for v in tile.split("x"))
+            built = cpu_gguf_vnni._build(torch.bfloat16 if bf16 else torch.float32, type_name, tile_m, tile_g)
 
             def fn(x, p, built=built):
                 y = torch.empty(x.shape[0], p.out_features, dtype=x.dtype)
                 built(x.contiguous(), p.data, y, x.shape[0], p.out_features, p.in_features, torch.get_num_threads())
                 return y
-        return packs, fn, kind.startswith("vnnibf"), sum(p.data.nbytes for p in packs)
+        return packs, fn, bf16, sum(p.data.nbytes for p in packs)
     if kind == "int4":
         packs = [cpu_int4.pack_int4(*cpu_int4.gguf_int4_affine(r, type_name), torch.bfloat16) for r in raws]
         return packs, lambda x, w: cpu_int4.int4_linear(x, *w), True, sum(a.nbytes + b.nbytes for a, b in packs)
     if kind == "dnnbf":
         ws = [cpu_gemm.pack(_dequantized(r, type_name).to(torch.bfloat16)) for r in raws]
         return ws, _dnn, True, sum(2 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
+    if kind == "dnn":
+        ws = [cpu_gemm.pack(_dequantized(r, type_name)) for r in raws]
+        return ws, _dnn, False, sum(4 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
     raise ValueError(f"unknown kind {kind!r}")
 
 

@@ -5,7 +5,8 @@ three engines:
 
 - fp32: `quantization="gguf_dequant", dtype="float32"`, the exact product of the file's values;
 - bf16: `quantization="gguf"` with gguf.VNNI_PRODUCTS = False (batches above the Q4 kernel's rows by
-  oneDNN's bf16 product on the dequantized weight: the path before the VNNI kernel);
+  oneDNN's bf16 product on the dequantized weight: the path before the VNNI kernel; on the AVX2 kind,
+  ATEN_CPU_CAPABILITY=avx2 included, the engine's dtype is fp32 and so is this product);
 - vnni: `quantization="gguf"` with gguf.VNNI_PREFILL = True (those batches by the VNNI kernel,
   prefill included); vnni_decode: as it is (decode steps by the VNNI kernel, prefill by bf16).
 

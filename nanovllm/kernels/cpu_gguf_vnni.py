@@ -1,4 +1,5 @@
-"""An int8 product for GGUF Q4_0 / Q4_1 / Q8_0 weights and batches of rows, by AVX512-VNNI (not exact).
+"""An int8 product for GGUF Q4_0 / Q4_1 / Q8_0 weights and batches of rows (not exact), by
+AVX512-VNNI or, where the CPU has none, AVX2.
 
 oneDNN's packed bf16 product (kernels/cpu_gemm.py), which the GGUF 4-bit layers run above the Q4
 kernel's few rows (kernels/cpu_gguf_q4.py), multiplies at `vdpbf16ps`'s rate: 32 multiply-adds per
@@ -18,10 +19,23 @@ nineteenth session), too little for int8 activations where the argmax is taken.
 does to the engine's outputs: benchmarks/RESULTS.md "Int8 (VNNI) products for batches of GGUF 4-bit
 weights (nineteenth session)".
 
-Only CPUs with AVX512-VNNI (and AVX512BW) build it; elsewhere `prepare` is False and the callers
-keep their products. Built like the other C++ kernels (utils/cpp_compiler.build through Inductor's
-C++ code cache, -march=native, OpenMP over groups of output rows), one library per (x's dtype, Q4
-type), kept and loaded directly in later processes.
+Which instructions run where (`kernel_isa`; the C++ picks its form from the build's target):
+- AVX512-VNNI (with AVX512F and AVX512BW): `vpdpbusd` on 16 int32 lanes, a 64-byte chunk of the
+  packed weight (16 rows x 4 k) per vector.
+- AVX2 (with FMA and F16C; AVX2-only CPUs, AVX512 CPUs without VNNI, and ATEN_CPU_CAPABILITY=avx2:
+  utils/device.py): the same packed layout read as two 32-byte halves of 8 rows, `vpmaddubsw`
+  (u8 x s8, pairs summed to int16) and `vpmaddwd` by ones (int16 pairs summed to int32): the same
+  exact integer dots, and the same fp32 operations after them, so the same y bit for bit. Q4 sums
+  stay in int16 for a whole block (|16 products| <= 16 x 15 x 127 < 2^15); Q8_0's signed weights
+  enter as |q_w| (u8) against q_x carrying q_w's sign (`vpsignb`; the +128 offset would overflow
+  vpmaddubsw's int16 pairs), widened at every chunk. About half the integer rate of vpdpbusd on Zen 4.
+- Elsewhere (no AVX2, FMA or F16C): not built; `prepare` is False and the callers keep their products.
+AVX-VNNI (the 256-bit vpdpbusd of Alder Lake and Zen 5, the "avx_vnni" flag) is not used: such a CPU
+runs the AVX2 form.
+
+Built like the other C++ kernels (utils/cpp_compiler.build through Inductor's C++ code cache,
+-march=native, or x86-64-v3 under ATEN_CPU_CAPABILITY=avx2; OpenMP over groups of output rows), one
+library per (x's dtype, GGUF type, form), kept and loaded directly in later processes.
 """
 import dataclasses
 import functools
@@ -40,13 +54,19 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 BLOCK = 32          # values of a GGUF block along the input, and of one x scale
 GROUP = 16          # output rows of a packed group (the C++'s GROUP: int32 lanes of a 512-bit vector)
 QMAX = 127          # the largest |q_x|
-# Register tile of the C++: TILE_M rows of x by TILE_G groups of 16 output rows (2 x TILE_M x TILE_G
-# of the 32 vector registers hold the int32 dots and fp32 sums). SmolLM2's 120 layers at 16 / 64 / 256
-# rows, bf16 x, two threads (benchmarks/bench_cpu_q4.py --kinds vnnibfMxG; RESULTS.md "Int8 (VNNI)
-# products ... (nineteenth session)"): 4x2 12.1 / 32.0 / 121.0 ms; 6x2, 5x2 and 4x3 within 5% of it;
-# 3x4 34.2 and 8x1 35.3 ms at 64 rows.
-TILE_M = 4
-TILE_G = 2
+# The kernel's forms, the first whose CPU flags (/proc/cpuinfo's names) are all here
+ISA_FLAGS = {"avx512_vnni": frozenset({"avx512_vnni", "avx512bw", "avx512f"}),
+             "avx2": frozenset({"avx2", "fma", "f16c"})}
+# Register tile of the C++, per form (`kernel_isa`): TILE_M rows of x by TILE_G groups of 16 output
+# rows. AVX512-VNNI (2 x TILE_M x TILE_G of the 32 vector registers hold the int32 dots and fp32 sums):
+# SmolLM2's 120 layers at 16 / 64 / 256 rows, bf16 x, two threads (benchmarks/bench_cpu_q4.py
+# --kinds vnnibfMxG; RESULTS.md "Int8 (VNNI) products ... (nineteenth session)"): 4x2 12.1 / 32.0 /
+# 121.0 ms; 6x2, 5x2 and 4x3 within 5% of it; 3x4 34.2 and 8x1 35.3 ms at 64 rows. AVX2 (16 vector
+# registers: the int16 sums of a block and the unpacked nibbles fill them, the fp32 sums spill), the
+# same layers, fp32 x, under ATEN_CPU_CAPABILITY=avx2 (--kinds vnniMxG; RESULTS.md "The int8 GGUF
+# product on AVX2 (twentieth session)"), three runs at 16 / 64 / 256 rows: 6x1 18.6-19.9 / 61.3-66.8 /
+# 211-246 ms; 8x1, 5x1 and 3x2 within the noise of it; 2x1, 4x1, 1x2, 2x2 slower (1x2 76-78 at 64).
+TILES = {"avx512_vnni": (4, 2), "avx2": (6, 1)}
 _ARG_TYPES = ["const {t}*", "const uint8_t*", "{t}*", "long", "long", "long", "long"]  # kernel() in the .cpp
 
 
@@ -67,37 +87,48 @@ def group_block_bytes(type_name: str) -> int:
     return BLOCK * GROUP // 2 + (2 if type_name == "Q4_1" else 1) * GROUP * 2
 
 
-def source_for(dtype: torch.dtype, type_name: str, tile_m: int = TILE_M, tile_g: int = TILE_G) -> str:
-    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "GGUF_TYPE": GGUF_TYPES[type_name], "TILE_M": tile_m, "TILE_G": tile_g}
+def source_for(dtype: torch.dtype, type_name: str, tile_m: int | None = None, tile_g: int | None = None) -> str:
+    """The C++ source for x's `dtype` and the weight's type, the register tile `tile_m` x `tile_g`
+    (None: this CPU's form's, TILES)."""
+    default_m, default_g = TILES.get(kernel_isa(), TILES["avx512_vnni"])
+    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "GGUF_TYPE": GGUF_TYPES[type_name],
+              "TILE_M": default_m if tile_m is None else tile_m, "TILE_G": default_g if tile_g is None else tile_g}
     return cpp_compiler.source(SOURCE, macros)
 
 
 @functools.cache
-def _build(dtype: torch.dtype, type_name: str, tile_m: int = TILE_M, tile_g: int = TILE_G):
-    """The built function, or None (no AVX512-VNNI, no compiler and no library built before)."""
+def _build(dtype: torch.dtype, type_name: str, tile_m: int | None = None, tile_g: int | None = None):
+    """The built function, or None (no form for this CPU, no compiler and no library built before)."""
+    if kernel_isa() is None:
+        return None
     return cpp_compiler.build(source_for(dtype, type_name, tile_m, tile_g),
                               [t.format(t=CPP_TYPES[dtype]) for t in _ARG_TYPES])
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI and AVX512BW (the kernel's instructions)."""
-    return {"avx512_vnni", "avx512bw", "avx512f"} <= cpu_flags()
+def kernel_isa() -> str | None:
+    """The form of the kernel this CPU builds: "avx512_vnni" (AVX512-VNNI, AVX512F, AVX512BW),
+    "avx2" (AVX2, FMA, F16C), or None (neither: it does not run)."""
+    flags = cpu_flags()
+    for isa, needs in ISA_FLAGS.items():
+        if needs <= flags:
+            return isa
+    return None
 
 
 def runs_here() -> bool:
-    """Whether the engine should run it on this CPU: AVX512-VNNI, and no AMX (whose bf16 tiles
+    """Whether the engine should run it on this CPU: either form, and no AMX (whose bf16 tiles
     oneDNN's bf16 product uses, at several times vpdpbusd's rate: not measured against it)."""
-    return cpu_has_vnni() and "amx_bf16" not in cpu_flags()
+    return kernel_isa() is not None and "amx_bf16" not in cpu_flags()
 
 
 def prepare(dtype: torch.dtype, type_name: str) -> bool:
     """Build the kernel for x's `dtype` and the weight's type now (engine start-up); whether it runs."""
-    return (cpu_has_vnni() and dtype in CPP_TYPES and type_name in GGUF_TYPES
+    return (kernel_isa() is not None and dtype in CPP_TYPES and type_name in GGUF_TYPES
             and _build(dtype, type_name) is not None)
 
 
 def pack(raw: torch.Tensor, type_name: str, dtype: torch.dtype | None = None) -> PackedVNNI | None:
-    """GGUF rows in the kernel's layout, or None where it does not run (no VNNI, another type, no C++).
+    """GGUF rows in the kernel's layout, or None where it does not run (neither form, another type, no C++).
 
     Args:
         raw: [out_features, bytes_per_row] uint8, each row a run of `type_name` blocks (as the file

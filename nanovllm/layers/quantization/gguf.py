@@ -6,8 +6,8 @@ checkpoint tensor it was loaded from, with where each checkpoint row went (packe
 and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose rows are all
 Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
 the file's exact values) where it was measured faster (MAX_Q4_ROWS), and, where the CPU has
-AVX512-VNNI, for the int8 VNNI kernel that runs the batches above those rows
-(kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
+AVX512-VNNI or AVX2, for the int8 "VNNI" kernel (vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd) that
+runs the batches above those rows (kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
 a layer whose rows are all Q8_0, all Q6_K or all Q5_K keeps them as int8 values and fp32 scales (one
 per 32 values; per 16 for Q6_K), with, for Q5_K, an fp32 offset per 32 values too (exactly the
@@ -71,8 +71,9 @@ MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
 # (a layer on the Q4 kernel keeps no int4 pack: where it runs, it must take every row the int4 kernel did)
 assert all(MAX_Q4_ROWS[kind] in (0, MAX_INT4_ROWS[kind]) for kind in MAX_Q4_ROWS)
 # Whether batches above MAX_Q4_ROWS of a Q4_0 / Q4_1 layer run the int8 VNNI kernel
-# (kernels/cpu_gguf_vnni.py: x rounded to 8 bits per 32 values, not exact) where the CPU has it;
-# False: they run the dense bf16 product on the dequantized weight, as before.
+# (kernels/cpu_gguf_vnni.py: x rounded to 8 bits per 32 values, not exact) where the CPU has it
+# (AVX512-VNNI or AVX2); False: they run the dense product on the dequantized weight (bf16, or fp32
+# on the AVX2 kind), as before.
 VNNI_PRODUCTS = True
 # Whether prefill steps (and steps that mix prefill and decode) run it too; False: decode steps only,
 # and prefill keeps the dense bf16 product (and each layer its dense copy: ~2 bytes a weight beside
@@ -91,9 +92,14 @@ VNNI_PREFILL = False
 # layers cold, two threads, Q4_1, bf16 x; RESULTS.md "Int8 (VNNI) products for batches of GGUF
 # 4-bit weights (nineteenth session)"): VNNI against oneDNN's packed bf16 product 7.07 / 12.02 ms at
 # 5 rows, 7.33 / 12.48 at 8, 11.56 / 23.21 at 16, 32.25 / 43.40 at 64, 134.8 / 153.5 at 256,
-# 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 has no VNNI of
-# 512 bits: 0 (the int4 kernel and the dense product, as before).
-MAX_VNNI_ROWS = {"avx2": 0, "avx512_bf16": math.inf}
+# 264.5 / 297.6 at 512, 873 / 1051 at 2048: faster at every batch measured. AVX2 (the kernel's AVX2
+# form, vpmaddubsw + vpmaddwd; the fp32 engine; the same bench with fp32 x under ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 on that VM, two runs; RESULTS.md "The int8 GGUF product on AVX2 (twentieth
+# session)"): against oneDNN's packed fp32 product 15.6 / 16.3 against 44.7 / 48.3 ms at 16 rows,
+# 52.5 / 54.8 against 108.0 / 107.1 at 64, 225 / 188 against 351 / 343 at 256: faster at every batch
+# measured too (and than the int4 kernel, which keeps rows up to MAX_INT4_ROWS: 9.0 / 11.0 against
+# 23.8 / 28.8 at 8 rows).
+MAX_VNNI_ROWS = {"avx2": math.inf, "avx512_bf16": math.inf}
 # The layers' types it runs (its Q8_0 form was measured for the LM head only, not for layers, whose
 # Q8_0 kernel keeps its small batches: kernels/cpu_gguf_vnni.py)
 VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
@@ -276,7 +282,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     def _pack_q4(self, layer: nn.Module, source: torch.Tensor, type_name: str, kernel):
         """This layer's rows (and this rank's columns) of the raw blocks in the layout of `kernel`
         (the module cpu_gguf_q4 or cpu_gguf_vnni); None where it does not take them (another
-        type, no C++ compiler, no VNNI)."""
+        type, no C++ compiler, neither of the VNNI kernel's forms)."""
         block_bytes = kernel.GGUF_BLOCK_BYTES.get(type_name)
         raws = [raw for _, raw in self.parts]
         if block_bytes is None or len({raw.shape[1] for raw in raws}) != 1:
