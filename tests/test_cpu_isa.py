@@ -54,6 +54,14 @@ def test_native_flags_kept(monkeypatch):
     assert {f for f in native if not f.startswith(device.ABOVE_AVX2_FLAG_PREFIXES)} == limited
 
 
+def test_other_spellings_ignored_as_torch_ignores_them(monkeypatch):
+    """torch reads only the exact "avx2" (it warns and keeps its own ISA on "AVX2"): so does the engine."""
+    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "AVX2")
+    assert not device.cpu_limited_to_avx2()
+    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
+    assert device.cpu_limited_to_avx2()
+
+
 @pytest.mark.skipif(not cpp_compiler.cpp_compiler_found(), reason="no C++ compiler")
 @pytest.mark.skipif("avx2" not in device.cpu_flags(), reason="the CPU has no AVX2")
 def test_kernels_built_without_avx512(avx2_only):

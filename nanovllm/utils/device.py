@@ -39,8 +39,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_limited_to_avx2() -> bool:
-    """Whether ATEN_CPU_CAPABILITY asks for AVX2 at most."""
-    return os.environ.get(CPU_CAPABILITY_ENV, "").lower() == "avx2"
+    """Whether ATEN_CPU_CAPABILITY asks for AVX2 at most (read as torch and Inductor read it: the exact,
+    lower-case value; another spelling such as "AVX2" is ignored by them, so here too)."""
+    return os.environ.get(CPU_CAPABILITY_ENV) == "avx2"
 
 
 def cpu_has_fast_bf16() -> bool:
