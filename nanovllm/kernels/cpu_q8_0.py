@@ -26,8 +26,8 @@ product (the callers' crossover).
 
 Built like the other C++ kernels (kernels/cpu_small_ops.py): `utils/cpp_compiler.build`, one
 library per dtype, block size and with or without offsets, kept for later processes; `built_for`
-builds one when a layer asks for it at load. Without a C++ compiler (and no library built before) `built` is False and the
-callers keep their dense weights.
+builds one when a layer asks for it at load. Without a C++ compiler (and no library built before)
+`built_for` is False and the callers keep their dense weights.
 """
 import functools
 from pathlib import Path
