@@ -1,5 +1,6 @@
 """ATEN_CPU_CAPABILITY=avx2 runs the CPU path as on an AVX2-only CPU: the flags the engine's choices read
-lose the instruction sets above AVX2, "auto" picks fp32, and the C++ kernels are built without AVX512."""
+lose the instruction sets above AVX2, "auto" picks fp32, and the C++ kernels are built without AVX512
+(the `avx2_only` fixture: conftest.py)."""
 import pytest
 import torch
 
@@ -21,15 +22,6 @@ extern "C" void kernel(int64_t* out) {
 #endif
 }
 """
-
-
-@pytest.fixture
-def avx2_only(monkeypatch, tmp_path):
-    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    device.cpu_flags.cache_clear()
-    yield
-    device.cpu_flags.cache_clear()
 
 
 def test_flags_above_avx2_dropped(avx2_only):

@@ -189,19 +189,6 @@ def q5_k_gguf(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def avx2_only(monkeypatch, tmp_path_factory):
-    """The CPU seen as AVX2-only (utils/device.py): cpu_kind() "avx2", dtype "auto" fp32, the kernels
-    built for x86-64-v3 into a cache of their own."""
-    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "avx2-inductor"))
-    device.cpu_flags.cache_clear()
-    cpu_q8_0._build.cache_clear()
-    yield
-    device.cpu_flags.cache_clear()
-    cpu_q8_0._build.cache_clear()
-
-
 def _llm(path: str, **options):
     from nanovllm import LLM
     return LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=64, **options)
