@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nanovllm.kernels import cpu_q8_0  # noqa: E402
 from nanovllm.utils import cpp_compiler  # noqa: E402
+from bench_cpu_q8_0 import time_once  # noqa: E402 (beside this file)
 
 SOURCE_PATH = Path("nanovllm/kernels/cpu_q8_0.cpp")
 
@@ -41,12 +41,6 @@ def _old_build(rev: str, dtype: torch.dtype, block: int):
             tar.extractall(tmp, filter="data")
         source = cpu_q8_0.source_for(dtype, block, path=Path(tmp) / SOURCE_PATH)
     return cpp_compiler.build(source, cpu_q8_0.arg_types(dtype))
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -77,7 +71,7 @@ def main() -> None:
                 w = weights[r % copies]
                 y = torch.empty(m, n, dtype=dtype)
                 for name, fn in (list(fns.items()) if r % 2 else list(fns.items())[::-1]):
-                    t = _time(lambda: fn(x, w.values, w.scales, y, m, n, k, args.threads))
+                    t = time_once(lambda: fn(x, w.values, w.scales, y, m, n, k, args.threads))
                     if r:
                         times[name].append(t)
             med = {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}
