@@ -1,7 +1,7 @@
 """Shared fixtures: tiny models of each family, built once per pytest session; the embedded
 SmolLM2 as one LLM for the session; the sampling kernels' module for their tests; a freshly
-seeded generator for the kernel tests; the CPU seen as AVX2-only (`avx2_only`). Under pytest-xdist (`-n 2`), how the files split over
-the workers (xdist_plan.py)."""
+seeded generator for the kernel tests; the CPU seen as AVX2-only (`avx2_only`). Under
+pytest-xdist (`-n 2`), how the files split over the workers (xdist_plan.py)."""
 import importlib.util
 import os
 import secrets
