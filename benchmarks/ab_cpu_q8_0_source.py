@@ -9,12 +9,15 @@ each repeat times one call of each, in turn; medians are printed, and a final JS
     python benchmarks/ab_cpu_q8_0_source.py --rev bdaa104 --block 16 --threads 2
 """
 import argparse
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
+import tarfile
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -22,27 +25,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nanovllm.kernels import cpu_q8_0  # noqa: E402
 from nanovllm.utils import cpp_compiler  # noqa: E402
+from bench_cpu_q8_0 import time_once  # noqa: E402 (beside this file)
 
-SOURCE_PATH = "nanovllm/kernels/cpu_q8_0.cpp"
-
-
-def _git_show(rev: str, path: str) -> str:
-    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+SOURCE_PATH = Path("nanovllm/kernels/cpu_q8_0.cpp")
 
 
 def _old_build(rev: str, dtype: torch.dtype, block: int):
-    """The kernel built from `rev`'s source and headers (as `cpp_compiler.source` assembles them)."""
-    macros = {"ELEMENT_TYPE": cpu_q8_0.CPP_TYPES[dtype], "SCALE_BLOCK": block}
-    text = cpp_compiler.LOCAL_INCLUDE.sub(lambda m: _git_show(rev, f"{os.path.dirname(SOURCE_PATH)}/{m.group(1)}"),
-                                          _git_show(rev, SOURCE_PATH))
-    source = "".join(f"#define {name} {value}\n" for name, value in macros.items()) + text
-    return cpp_compiler.build(source, [t.format(t=cpu_q8_0.CPP_TYPES[dtype]) for t in cpu_q8_0.ARG_TYPES])
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    """The kernel (without offsets) built from `rev`'s source and the headers beside it, extracted
+    from git and assembled by the engine's own `cpu_q8_0.source_for` (a revision before the offsets
+    ignores their HAS_OFFSETS=0)."""
+    kernels = SOURCE_PATH.parent.as_posix()
+    archive = subprocess.run(["git", "archive", rev, kernels], cwd=ROOT, check=True, capture_output=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        source = cpu_q8_0.source_for(dtype, block, path=Path(tmp) / SOURCE_PATH)
+    return cpp_compiler.build(source, cpu_q8_0.arg_types(dtype))
 
 
 def main() -> None:
@@ -73,7 +71,7 @@ def main() -> None:
                 w = weights[r % copies]
                 y = torch.empty(m, n, dtype=dtype)
                 for name, fn in (list(fns.items()) if r % 2 else list(fns.items())[::-1]):
-                    t = _time(lambda: fn(x, w.values, w.scales, y, m, n, k, args.threads))
+                    t = time_once(lambda: fn(x, w.values, w.scales, y, m, n, k, args.threads))
                     if r:
                         times[name].append(t)
             med = {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()}

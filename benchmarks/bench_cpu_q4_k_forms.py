@@ -17,12 +17,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import cpu_int4, cpu_q8_0  # noqa: E402
+from bench_cpu_q8_0 import time_once  # noqa: E402 (beside this file)
 
 Q4_LEVELS = 16        # 4-bit values 0..15
 Q4_MIDDLE = 8         # the int4 kernel's values are (q - 8) * scale + zero
@@ -37,12 +37,6 @@ def _weights(n: int, k: int):
     zero = torch.randn(n, k // group) * WEIGHT_SIZE
     return (cpu_int4.pack_int4(q, scale, zero, torch.bfloat16),
             cpu_q8_0.Q8Weight(q.to(torch.int8), scale, zero - Q4_MIDDLE * scale))
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -68,8 +62,8 @@ def main() -> None:
             times = {"int4": [], "q8": []}
             for r in range(args.repeats + 1):
                 packed, q8 = weights[r % copies]
-                t_int4 = _time(lambda: cpu_int4.int4_linear(x, *packed))
-                t_q8 = _time(lambda: cpu_q8_0.q8_0_linear(x, q8))
+                t_int4 = time_once(lambda: cpu_int4.int4_linear(x, *packed))
+                t_q8 = time_once(lambda: cpu_q8_0.q8_0_linear(x, q8))
                 if r:  # the first repeat warms up
                     times["int4"].append(t_int4)
                     times["q8"].append(t_q8)

@@ -26,24 +26,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
+HEAD_DIM = 64  # the heads' size (hidden / 64 query heads, half as many K/V heads)
+
+
 def write_model(path: str, hidden: int, layers: int, vocab: int) -> str:
-    import gguf
-    import test_gguf
-    from test_cpu_q5_k import q5_k_blocks
+    from test_cpu_q5_k import write_q5_k_gguf
     from tiny_models import build_tiny_model
-    heads = hidden // 64
+    heads = hidden // HEAD_DIM
     hf = build_tiny_model("qwen3", os.path.join(path, "hf"), rope_scaling=None, hidden_size=hidden,
                           intermediate_size=3 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                          num_key_value_heads=heads // 2, head_dim=64, vocab_size=vocab)
+                          num_key_value_heads=heads // 2, head_dim=HEAD_DIM, vocab_size=vocab)
     out = os.path.join(path, "q5_k.gguf")
-    quantize = gguf.quants.quantize
-    test_gguf.WRITE_TYPES = ("Q5_K",)
-    gguf.quants.quantize = lambda data, qtype: (
-        q5_k_blocks(data) if qtype == gguf.GGMLQuantizationType.Q5_K else quantize(data, qtype))
-    try:
-        test_gguf.write_tiny_gguf(hf, "qwen3", out, quantize=True)
-    finally:
-        gguf.quants.quantize = quantize
+    write_q5_k_gguf(hf, out)
     return out
 
 

@@ -71,7 +71,8 @@ def _weights(n: int, k: int, copies: int, block: int, type_name: str | None, dty
     return out
 
 
-def _time(fn) -> float:
+def time_once(fn) -> float:
+    """Seconds one call of `fn` takes (also used by ab_cpu_q8_0_source.py and bench_cpu_q4_k_forms.py)."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -87,8 +88,8 @@ def bench_shape(n: int, k: int, rows: list[int], copies: int, repeats: int, bloc
         times = {"q8": [], dense: []}
         for r in range(repeats + 1):
             q8, (column_major, packed) = weights[r % copies]
-            t_q8 = _time(lambda: cpu_q8_0.q8_0_linear(x, q8))
-            t_dense = _time(lambda: cpu_gemm.dense_linear(x, column_major, None, packed))
+            t_q8 = time_once(lambda: cpu_q8_0.q8_0_linear(x, q8))
+            t_dense = time_once(lambda: cpu_gemm.dense_linear(x, column_major, None, packed))
             if r:  # the first repeat warms up
                 times["q8"].append(t_q8)
                 times[dense].append(t_dense)

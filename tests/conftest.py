@@ -1,7 +1,7 @@
 """Shared fixtures: tiny models of each family, built once per pytest session; the embedded
 SmolLM2 as one LLM for the session; the sampling kernels' module for their tests; a freshly
-seeded generator for the kernel tests. Under pytest-xdist (`-n 2`), how the files split over
-the workers (xdist_plan.py)."""
+seeded generator for the kernel tests; the CPU seen as AVX2-only (`avx2_only`). Under
+pytest-xdist (`-n 2`), how the files split over the workers (xdist_plan.py)."""
 import importlib.util
 import os
 import secrets
@@ -37,6 +37,22 @@ def gen():
     """A CPU generator with a fresh random seed each test: kernel tests put its `initial_seed()`
     in their assertion messages, so a failing draw can be replayed."""
     return torch.Generator().manual_seed(secrets.randbits(31))
+
+
+@pytest.fixture
+def avx2_only(monkeypatch, tmp_path_factory):
+    """The CPU seen as AVX2-only (ATEN_CPU_CAPABILITY=avx2, utils/device.py): its flags above AVX2
+    dropped, cpu_kind() "avx2", dtype "auto" fp32, C++ kernels built for x86-64-v3 into an Inductor
+    cache of their own (the Q8_0 kernel's builds asked again; other kernels' cached builds stay)."""
+    from nanovllm.kernels import cpu_q8_0
+    from nanovllm.utils import device
+    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "avx2-inductor"))
+    device.cpu_flags.cache_clear()
+    cpu_q8_0._build.cache_clear()
+    yield
+    device.cpu_flags.cache_clear()
+    cpu_q8_0._build.cache_clear()
 
 
 @pytest.fixture(scope="session", autouse=True)

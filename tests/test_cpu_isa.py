@@ -1,5 +1,6 @@
 """ATEN_CPU_CAPABILITY=avx2 runs the CPU path as on an AVX2-only CPU: the flags the engine's choices read
-lose the instruction sets above AVX2, "auto" picks fp32, and the C++ kernels are built without AVX512."""
+lose the instruction sets above AVX2, "auto" picks fp32, and the C++ kernels are built without AVX512
+(the `avx2_only` fixture: conftest.py)."""
 import pytest
 import torch
 
@@ -23,15 +24,6 @@ extern "C" void kernel(int64_t* out) {
 """
 
 
-@pytest.fixture
-def avx2_only(monkeypatch, tmp_path):
-    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    device.cpu_flags.cache_clear()
-    yield
-    device.cpu_flags.cache_clear()
-
-
 def test_flags_above_avx2_dropped(avx2_only):
     flags = device.cpu_flags()
     assert not any(f.startswith(device.ABOVE_AVX2_FLAG_PREFIXES) for f in flags)
@@ -52,6 +44,14 @@ def test_native_flags_kept(monkeypatch):
         device.cpu_flags.cache_clear()
     assert limited <= native
     assert {f for f in native if not f.startswith(device.ABOVE_AVX2_FLAG_PREFIXES)} == limited
+
+
+def test_other_spellings_ignored_as_torch_ignores_them(monkeypatch):
+    """torch reads only the exact "avx2" (it warns and keeps its own ISA on "AVX2"): so does the engine."""
+    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "AVX2")
+    assert not device.cpu_limited_to_avx2()
+    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
+    assert device.cpu_limited_to_avx2()
 
 
 @pytest.mark.skipif(not cpp_compiler.cpp_compiler_found(), reason="no C++ compiler")

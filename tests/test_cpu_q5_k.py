@@ -164,35 +164,29 @@ def test_a_malformed_row_is_a_value_error():
 
 # ---- a tiny GGUF model written in Q5_K ----------------------------------------------------
 
+def write_q5_k_gguf(hf_model, path: str) -> None:
+    """`hf_model` (a tiny_models Qwen3, every input size a multiple of 256) as a GGUF file at `path`
+    with every 2-D tensor Q5_K, by `q5_k_blocks` (gguf cannot write K-quants itself); also used by
+    benchmarks/bench_cpu_q5_k_model.py."""
+    import test_gguf
+    quantize = gguf.quants.quantize
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(test_gguf, "WRITE_TYPES", ("Q5_K",))  # every 2-D tensor Q5_K
+        patch.setattr(gguf.quants, "quantize", lambda data, qtype: (
+            q5_k_blocks(data) if qtype == gguf.GGMLQuantizationType.Q5_K else quantize(data, qtype)))
+        test_gguf.write_tiny_gguf(hf_model, "qwen3", path, quantize=True)
+
+
 @pytest.fixture(scope="module")
 def q5_k_gguf(tmp_path_factory):
-    import test_gguf
     from tiny_models import build_tiny_model
     d = tmp_path_factory.mktemp("tiny-Q5_K")
     # Q5_K rows are whole super-blocks: every input size a multiple of 256
     hf = build_tiny_model("qwen3", str(d / "hf"), rope_scaling=None, hidden_size=256, intermediate_size=512,
                           head_dim=64)
     path = str(d / "tiny-Q5_K.gguf")
-    quantize = gguf.quants.quantize
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(test_gguf, "WRITE_TYPES", ("Q5_K",))  # every 2-D tensor Q5_K
-        patch.setattr(gguf.quants, "quantize", lambda data, qtype: (
-            q5_k_blocks(data) if qtype == gguf.GGMLQuantizationType.Q5_K else quantize(data, qtype)))
-        test_gguf.write_tiny_gguf(hf, "qwen3", path, quantize=True)
+    write_q5_k_gguf(hf, path)
     return path
-
-
-@pytest.fixture
-def avx2_only(monkeypatch, tmp_path_factory):
-    """The CPU seen as AVX2-only (utils/device.py): cpu_kind() "avx2", dtype "auto" fp32, the kernels
-    built for x86-64-v3 into a cache of their own."""
-    monkeypatch.setenv(device.CPU_CAPABILITY_ENV, "avx2")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "avx2-inductor"))
-    device.cpu_flags.cache_clear()
-    cpu_q8_0._build.cache_clear()
-    yield
-    device.cpu_flags.cache_clear()
-    cpu_q8_0._build.cache_clear()
 
 
 def _llm(path: str, **options):
@@ -236,9 +230,13 @@ def test_greedy_ids_match_dequantized_bf16(q5_k_gguf, monkeypatch):
     from nanovllm import SamplingParams
     from nanovllm.layers.quantization import gguf as gguf_method
     monkeypatch.setattr(gguf_method, "MAX_Q5_K_ROWS", dict.fromkeys(gguf_method.MAX_Q5_K_ROWS, math.inf))
+    calls = []
+    real = cpu_q8_0.q8_0_linear
+    monkeypatch.setattr(cpu_q8_0, "q8_0_linear", lambda x, w: calls.append(x.dtype) or real(x, w))
     kept, dense = _llm(q5_k_gguf, dtype="bfloat16"), _llm(q5_k_gguf, dtype="bfloat16", quantization="gguf_dequant")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP_K_CLOSE)
     outs = [llm.generate(_prompts(), params, use_tqdm=False) for llm in (kept, dense)]
+    assert calls and set(calls) == {torch.bfloat16}  # the kept engine's products ran the kernel
     for a, b in zip(*outs):
         ours, ref = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
         if ours != ref:

@@ -25,9 +25,9 @@ product (the callers' crossover).
 `embedding` reads rows of the same weight (a token embedding tied to its LM head), dequantized.
 
 Built like the other C++ kernels (kernels/cpu_small_ops.py): `utils/cpp_compiler.build`, one
-library per dtype and block size, kept for later processes; `built` builds one when a layer asks
-for it at load. Without a C++ compiler (and no library built before) `built` is False and the
-callers keep their dense weights.
+library per dtype, block size and with or without offsets, kept for later processes; `built_for`
+builds one when a layer asks for it at load. Without a C++ compiler (and no library built before)
+`built_for` is False and the callers keep their dense weights.
 """
 import functools
 from pathlib import Path
@@ -152,13 +152,23 @@ def quantize(w: torch.Tensor) -> Q8Weight:
     return Q8Weight(q.round().clamp(-127, 127).to(torch.int8).reshape(w.shape), d)
 
 
+def source_for(dtype: torch.dtype, block: int = BLOCK, offsets: bool = False, path: Path = SOURCE) -> str:
+    """The kernel's source (`path`: cpu_q8_0.cpp, or another revision's copy of it) for activations of
+    `dtype`, `block` values a scale and (`offsets`) an offset a block."""
+    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "SCALE_BLOCK": block, "HAS_OFFSETS": int(offsets)}
+    return cpp_compiler.source(path, macros)
+
+
+def arg_types(dtype: torch.dtype, offsets: bool = False) -> list[str]:
+    """The C++ types of `kernel`'s arguments for activations of `dtype` (and with offsets)."""
+    return [t.format(t=CPP_TYPES[dtype]) for t in (OFFSET_ARG_TYPES if offsets else ARG_TYPES)]
+
+
 @functools.cache
 def _build(dtype: torch.dtype, block: int = BLOCK, offsets: bool = False):
     """The built function for `dtype`, `block` values a scale and (`offsets`) an offset a block, or
     None (no compiler and no library built before)."""
-    macros = {"ELEMENT_TYPE": CPP_TYPES[dtype], "SCALE_BLOCK": block, "HAS_OFFSETS": int(offsets)}
-    arg_types = OFFSET_ARG_TYPES if offsets else ARG_TYPES
-    return cpp_compiler.build(cpp_compiler.source(SOURCE, macros), [t.format(t=CPP_TYPES[dtype]) for t in arg_types])
+    return cpp_compiler.build(source_for(dtype, block, offsets), arg_types(dtype, offsets))
 
 
 def built(dtype: torch.dtype, block: int = BLOCK, offsets: bool = False) -> bool:
@@ -192,9 +202,9 @@ def q8_0_linear(x: torch.Tensor, weight: Q8Weight) -> torch.Tensor:
 def embedding(ids: torch.Tensor, weight: Q8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` [n] of the dequantized weight -> [n, in] in `dtype` (each value d * q, plus the
     offset where there is one: `dequantize`'s values, rounded to `dtype` as the dense embedding's copy
-    was). Four ops: ~28 us for one row and ~41 us for 64 against ~5 us for `F.embedding` on the bf16
-    copy (two threads, the 49152 x 576 SmolLM2 embedding, the AVX512 VM of benchmarks/RESULTS.md
-    "Q8_0 kept quantized on the CPU")."""
+    was). Four ops (Q8_0, Q6_K; the offsets two more): ~28 us for one Q8_0 row and ~41 us for 64
+    against ~5 us for `F.embedding` on the bf16 copy (two threads, the 49152 x 576 SmolLM2 embedding,
+    the AVX512 VM of benchmarks/RESULTS.md "Q8_0 kept quantized on the CPU")."""
     n = ids.shape[0]
     values = weight.values.index_select(0, ids).view(n, -1, weight.block)    # [n, blocks, block] int8
     scales = weight.scales.index_select(0, ids).unsqueeze(-1)                # [n, blocks, 1]

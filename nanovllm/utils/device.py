@@ -11,8 +11,10 @@ FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # torch's own switch for the vector instructions its CPU kernels use ("default", "avx2", "avx512").
 # Set to "avx2" on a newer CPU, the engine also chooses and builds its kernels as on an AVX2-only CPU:
 # the flags of the instruction sets above AVX2 are dropped (with ONEDNN_MAX_CPU_ISA=AVX2 for oneDNN's
-# products, that runs the AVX2 kind's whole path on an AVX512 machine).
+# products, that runs the AVX2 kind's choices and kernels on an AVX512 machine; not limited: MKL's own
+# products, unless MKL_ENABLE_INSTRUCTIONS=AVX2, and torch.compile's C++, built with -march=native).
 CPU_CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+# /proc/cpuinfo flags of those instruction sets (prefixes: avx512f, avx512_bf16, amx_tile, avx_vnni, ...)
 ABOVE_AVX2_FLAG_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
 
 
@@ -39,8 +41,9 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_limited_to_avx2() -> bool:
-    """Whether ATEN_CPU_CAPABILITY asks for AVX2 at most."""
-    return os.environ.get(CPU_CAPABILITY_ENV, "").lower() == "avx2"
+    """Whether ATEN_CPU_CAPABILITY asks for AVX2 at most (read as torch and Inductor read it: the exact,
+    lower-case value; another spelling such as "AVX2" is ignored by them, so here too)."""
+    return os.environ.get(CPU_CAPABILITY_ENV) == "avx2"
 
 
 def cpu_has_fast_bf16() -> bool:

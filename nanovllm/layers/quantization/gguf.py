@@ -144,7 +144,7 @@ _UNSET = -1.0  # row_source entries not loaded from a GGUF tensor
 
 @register_quantization("gguf")
 class GGUFConfig(QuantizationConfig):
-    """A GGUF file's weights: 4-bit, Q8_0 and Q6_K types kept for the CPU's kernels, the rest dense."""
+    """A GGUF file's weights: 4-bit, Q8_0, Q6_K and Q5_K types kept for the CPU's kernels, the rest dense."""
 
     def __init__(self):
         self.packed = True
