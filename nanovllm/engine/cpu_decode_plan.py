@@ -81,7 +81,8 @@ def _product(layer: nn.Module, rows: int, dtype: torch.dtype, out: torch.Tensor)
     GGUFLinearMethod.apply chooses), else the method itself."""
     method = layer.quant_method
     packed = getattr(method, "q4", None)
-    if packed is not None and layer.bias is None and rows <= min(getattr(method, "max_q4_rows", 0), cpu_gguf_q4.MAX_ROWS):
+    max_rows = min(getattr(method, "max_q4_rows", 0), cpu_gguf_q4.MAX_ROWS)  # (one call of the C++: MAX_ROWS at most)
+    if packed is not None and layer.bias is None and rows <= max_rows:
         fn = cpu_gguf_q4.function(dtype, packed.type_name)
         if fn is not None:
             return _Q4Product(fn, packed, out)
