@@ -91,7 +91,8 @@ def prepare(kind: str, raws: list[torch.Tensor], type_name: str):
         return packs, fn, kind.startswith("vnnibf"), sum(p.data.nbytes for p in packs)
     if kind in ("int4", "int4f"):
         packs = [cpu_int4.pack_int4(*cpu_int4.gguf_int4_affine(r, type_name), torch.bfloat16) for r in raws]
-        return packs, lambda x, w: cpu_int4.int4_linear(x, *w), kind == "int4", sum(a.nbytes + b.nbytes for a, b in packs)
+        weight_bytes = sum(a.nbytes + b.nbytes for a, b in packs)
+        return packs, lambda x, w: cpu_int4.int4_linear(x, *w), kind == "int4", weight_bytes
     if kind == "dnnbf":
         ws = [cpu_gemm.pack(_dequantized(r, type_name).to(torch.bfloat16)) for r in raws]
         return ws, _dnn, True, sum(2 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
