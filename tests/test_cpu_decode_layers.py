@@ -6,9 +6,9 @@ kernels give the bits the modules give, and run where they should.
   off, over sequences of different lengths decoding together; the decode steps do go through it.
 - The embedded SmolLM2 GGUF (int4 products): the same ids and logprobs on and off.
 - The step plan (engine/cpu_decode_plan.py) on and off under DecodeLayers: the same ids and logprobs
-  on a bf16 tiny model and the embedded GGUF, with row counts that change from step to step (over
-  and under its MAX_ROWS), with preemption (a small cache) and a request aborted mid-run (its
-  buffers then hold another step's rows); fp32 engines do not make plans.
+  on a bf16 tiny model, an fp32 one (torch's RMSNorm in the plan) and the embedded GGUF, with row
+  counts that change from step to step (over and under its MAX_ROWS), with preemption (a small
+  cache) and a request aborted mid-run (its buffers then hold another step's rows).
 - Where a layer would take another path it is not built (Qwen3's q/k norm, experts, a compiled
   forward), and those engines run as before.
 Skipped where no C++ compiler is found (the kernels it calls are not built then).
@@ -205,13 +205,12 @@ def test_plan_embedded_model_same_bits(monkeypatch):
     assert isinstance(first.qkv, cpu_decode_plan._Q4Product) and isinstance(first.down, cpu_decode_plan._Q4Product)
 
 
-def test_no_plan_in_fp32(tmp_path):
-    """fp32's RMSNorm is torch's (not the C++ one a plan calls): DecodeLayers' own path runs."""
+def test_plan_in_fp32_same_bits(tmp_path, monkeypatch):
+    """fp32 plans call torch's F.rms_norm (fp32's RMSNorm, not the C++ one): the same bits as
+    DecodeLayers' own path, with row counts changing from 4 to 1."""
     from tiny_models import build_tiny_model
     build_tiny_model("llama", str(tmp_path), **HEAD_DIM_64)
-    llm = LLM(str(tmp_path), device="cpu", dtype="float32", skip_tokenizer_init=True)
-    try:
-        _generate(llm, PROMPTS[:1])
-        assert llm.llm_engine.model_runner.cpu_decode_layers.plans == {1: None}
-    finally:
-        llm.shutdown()
+    plans = _assert_plans_same(_plan_engines(str(tmp_path), monkeypatch, dtype="float32"),
+                               _varied_prompts(4, 500), [3, 5, 7, 9])
+    assert all(plans[rows] is not None for rows in range(1, 5))
+    assert plans[1].rms_norm is cpu_decode_plan._torch_rms_norm

@@ -17,12 +17,16 @@ embedded SmolLM2 GGUF, two engines alternating in one process: decode steps 6.06
 (median) with and without plans, the same ids and logprobs (benchmarks/RESULTS.md "One-sequence
 decode steps: host time (nineteenth session)").
 
-A plan is made only where all of that holds at start-up of the plan (`plan_for`: a 16-bit dtype,
-whose RMSNorm is the C++ one; RoPE + store applying to the qkv rows; no Granite branch scale);
-elsewhere DecodeLayers runs its own path. The caches' tensors are checked at each step (a plan
+A plan is made only where all of that holds at start-up of the plan (`plan_for`: fp32, bf16 or
+fp16; RoPE + store applying to the qkv rows; no Granite branch scale); elsewhere DecodeLayers runs
+its own path. Its RMSNorm is the one DecodeLayers' path runs (fused_ops.rms_norm): the C++ one in
+bf16 and fp16, torch's `F.rms_norm` in fp32 (`_torch_rms_norm`, into the same buffers), so fp32
+steps give the same bits too; fp32 is the dtype of engines on CPUs without fast bf16 (the AVX2
+kind, utils/device.resolve_dtype). The caches' tensors are checked at each step (a plan
 made for other caches is made again).
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.kernels import cpu_gguf_q4, cpu_paged_decode, cpu_small_ops
@@ -33,8 +37,20 @@ ENABLED = True
 # The most rows a plan is made for: the host's share of a step matters at a few rows (one
 # sequence: about a third of it without plans); larger batches keep DecodeLayers' path.
 MAX_ROWS = 8
-# Dtypes whose RMSNorm is the C++ one (fused_ops.rms_norm keeps torch's F.rms_norm for fp32).
-PLAN_DTYPES = (torch.bfloat16, torch.float16)
+# Dtypes a plan is made for; the RMSNorm of those in C_RMS_NORM_DTYPES is the C++ one, fp32's is
+# torch's F.rms_norm (fused_ops.rms_norm keeps it for fp32).
+PLAN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+C_RMS_NORM_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _torch_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor,
+                    summed: torch.Tensor, rows: int, width: int, add_residual: int, eps: float, threads: int) -> None:
+    """The C++ rms_norm's call (cpu_small_ops.cpp) with fused_ops.rms_norm's fp32 arithmetic: `summed`
+    = x + residual (where `add_residual`), `normed` = F.rms_norm of it; x, residual [rows, width]."""
+    if add_residual:
+        torch.add(x, residual, out=summed)
+        x = summed
+    normed.copy_(F.rms_norm(x, (width,), weight, eps))
 
 
 class _Q4Product:
@@ -65,7 +81,8 @@ def _product(layer: nn.Module, rows: int, dtype: torch.dtype, out: torch.Tensor)
     GGUFLinearMethod.apply chooses), else the method itself."""
     method = layer.quant_method
     packed = getattr(method, "q4", None)
-    if packed is not None and layer.bias is None and rows <= getattr(method, "max_q4_rows", 0):
+    max_rows = min(getattr(method, "max_q4_rows", 0), cpu_gguf_q4.MAX_ROWS)  # (one call of the C++: MAX_ROWS at most)
+    if packed is not None and layer.bias is None and rows <= max_rows:
         fn = cpu_gguf_q4.function(dtype, packed.type_name)
         if fn is not None:
             return _Q4Product(fn, packed, out)
@@ -114,7 +131,7 @@ class StepPlan:
         hidden = layers[0].input_layernorm.weight.shape[0]
         intermediate = layers[0].mlp.down_proj.input_size
         self.bufs = _Buffers(rows, hidden, attn0.q_size, attn0.kv_size, intermediate, dtype)
-        self.rms_norm = cpu_small_ops.function("rms_norm", dtype)
+        self.rms_norm = cpu_small_ops.function("rms_norm", dtype) if dtype in C_RMS_NORM_DTYPES else _torch_rms_norm
         self.silu_mul = cpu_small_ops.function("silu_mul", dtype)
         self.rope_store = cpu_small_ops.function("rope_store", dtype, head_dim)
         self.cos_sin = attn0.rotary_emb.cos_sin_cache.to(torch.float32).contiguous()  # [max_position, d]
@@ -177,7 +194,12 @@ def plan_for(layers: nn.ModuleList, rows: int, dtype: torch.dtype, head_dim: int
         return None
     if any(layer.residual_multiplier != 1.0 for layer in layers):
         return None
-    if any(fn is None for fn in (cpu_small_ops.function("rms_norm", dtype), cpu_small_ops.function("silu_mul", dtype))):
+    if dtype in C_RMS_NORM_DTYPES and cpu_small_ops.function("rms_norm", dtype) is None:
+        return None
+    norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if dtype not in C_RMS_NORM_DTYPES and any(norm.weight.dtype != dtype for norm in norms):
+        return None  # (fused_ops' fp32 RMSNorm is F.rms_norm only with an fp32 weight)
+    if cpu_small_ops.function("silu_mul", dtype) is None:
         return None
     if not cpu_small_ops.rope_store_built(dtype, head_dim):
         return None

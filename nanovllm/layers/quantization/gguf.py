@@ -66,8 +66,15 @@ MAX_INT4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 # int4 pack), per CPU kind. On AVX512-BF16 (benchmarks/bench_cpu_q4.py, SmolLM2-135M's 120 layers
 # cold, two threads; RESULTS.md "A 4-bit GGUF kernel for one sequence (eighteenth session)") it took
 # 0.82-0.87x the int4 kernel's time at 1 row, 0.88-0.90x at 2, 1.01x at 4 and 0.90-0.93x at 8, so it
-# serves every row count the int4 kernel did there. AVX2: not measured, so the int4 kernel stays.
-MAX_Q4_ROWS = {"avx2": 0, "avx512_bf16": 4}
+# serves every row count the int4 kernel did there. AVX2 (emulated: ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 on the same VM, its AVX2 branch, fp32 x as the AVX2 kind's fp32 engine calls
+# both; RESULTS.md "B2 on the AVX2 kind, emulated (twentieth session)"; bench_cpu_q4.py --threads 2
+# --kinds q4 int4f dense, two runs): q4 6.54 / 7.83 ms against int4 9.54 / 10.40 (dense 29.5 / 32.8)
+# at 1 row, 7.13 / 6.64 against 11.30 / 10.57 at 2, 10.13 / 9.95 against 12.38 / 13.76 at 4, 20.1 /
+# 20.0 / 21.7 against 28.1 / 26.0 / 28.4 at 8; above 8 rows in calls of 8 (q4_linear): 29.0 against
+# 34.2 (dense 37.5) at 12, 38.4 / 42.2 / 42.7 at 16, 58.2 / 59.8 / 48.4 at 24: every row count the
+# int4 kernel runs there.
+MAX_Q4_ROWS = {"avx2": 12, "avx512_bf16": 4}
 # (a layer on the Q4 kernel keeps no int4 pack: where it runs, it must take every row the int4 kernel did)
 assert all(MAX_Q4_ROWS[kind] in (0, MAX_INT4_ROWS[kind]) for kind in MAX_Q4_ROWS)
 # Whether batches above MAX_Q4_ROWS of a Q4_0 / Q4_1 layer run the int8 VNNI kernel
@@ -108,14 +115,22 @@ VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
 # kept quantized on the CPU"; benchmarks/bench_cpu_q8_0.py): 1536x576 0.063 against 0.130 ms at 1
 # row, 0.056 / 0.089 at 2, 0.105 / 0.104 at 4, 0.149 / 0.140 at 8; 576x1536 0.072 / 0.123 at 1,
 # 0.098 / 0.138 at 2, 0.137 / 0.126 at 4. The LM head 49152x576: 1.45 / 2.95 ms at 1, 1.80 / 3.07
-# at 2, 2.32 / 2.90 at 4, 4.41 / 3.14 at 8. AVX2 is not measured: one row only there, where the
-# product is bound by the bytes it reads (1.125 a weight against the fp32 weight's 4).
-MAX_Q8_0_ROWS = {"avx2": 1, "avx512_bf16": 2}
-MAX_Q8_0_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 4}
+# at 2, 2.32 / 2.90 at 4, 4.41 / 3.14 at 8. AVX2 (emulated, fp32 x against the fp32 engine's dense
+# product: the column-major F.linear below 3 rows, oneDNN's packed fp32 from 3; RESULTS.md "B2 on the
+# AVX2 kind, emulated (twentieth session)"; ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# bench_cpu_q8_0.py --threads 2 --dtype float32, two runs): 1536x576 0.062 / 0.250 ms at 1 row, 0.098
+# / 0.246 at 4, 0.181 / 0.281 and 0.153 / 0.251 at 8, 0.231 / 0.275 at 12, 0.337 / 0.416 and 0.335 /
+# 0.327 at 16, 0.482 / 0.393 at 24; 576x1536 0.085 / 0.362 at 1, 0.287 / 0.304 at 12, 0.380 / 0.346
+# at 16; the head 49152x576 1.79 / 7.13 at 1, 2.67 / 7.24 at 4, 6.40 / 8.87 and 6.09 / 8.43 at 8,
+# 7.30 / 9.72 at 12, 12.1 / 11.5 and 11.8 / 11.9 at 16, 14.1 / 12.9 at 24.
+MAX_Q8_0_ROWS = {"avx2": 12, "avx512_bf16": 2}
+MAX_Q8_0_HEAD_ROWS = {"avx2": 12, "avx512_bf16": 4}
 # The same for a Q6_K LM head (its scales one per 16 values: more work a weight). AVX512-BF16, the 49152 x 576
 # head, two threads (benchmarks/bench_cpu_q8_0.py --block 16; RESULTS.md "GGUF Q6_K kept as int8 values on
-# the CPU"): 1.41 against 2.73 ms at 1 row, 1.48 / 2.59 at 2, 1.84 / 2.28 at 3, 2.45 / 2.36 at 4. AVX2: as Q8_0.
-MAX_Q6_K_HEAD_ROWS = {"avx2": 1, "avx512_bf16": 3}
+# the CPU"): 1.41 against 2.73 ms at 1 row, 1.48 / 2.59 at 2, 1.84 / 2.28 at 3, 2.45 / 2.36 at 4. AVX2
+# (emulated, fp32, as Q8_0 above with --block 16 --shapes 49152x576): 2.12 against 6.95 ms at 1 row,
+# 3.39 / 8.36 at 4, 3.47 / 7.14 at 6, 6.96 / 8.35 at 8, 9.73 / 9.72 at 12, 12.9 / 11.1 at 16.
+MAX_Q6_K_HEAD_ROWS = {"avx2": 8, "avx512_bf16": 3}
 # Token counts up to which a layer of Q5_K rows runs the Q8_0 kernel with offsets (its int8 values 0..31,
 # a scale and an offset per 32 values: 1.25 bytes a weight), per CPU kind; larger batches run the dense
 # product. Measured on SmolLM2-135M-like shapes (960x576 qkv, 576x576 o, 3072x576 gate_up, 576x1536 down:
