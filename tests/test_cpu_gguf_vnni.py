@@ -277,9 +277,10 @@ def test_every_layer_packed_and_the_switch_off_packs_none(engines):
 
 
 def test_crossover_switch(engines, monkeypatch):
-    """Up to the small-batch kernel's rows (the Q4 kernel's max_q4_rows; on the AVX2 kind, where that
-    is 0, the int4 kernel's max_int4_rows) that kernel; above, in a decode step, the VNNI kernel (up
-    to max_vnni_rows); outside a decode step, or past max_vnni_rows, the dense product."""
+    """Outside a decode step the small-batch kernel (the Q4 kernel up to max_q4_rows, else the int4
+    kernel up to max_int4_rows), then the dense product; in a decode step the VNNI kernel from
+    min_vnni_decode_rows (past the small kernel's rows on AVX512, every row count on the AVX2 kind), the
+    small kernel below it, and the dense product past max_vnni_rows."""
     from nanovllm.kernels import cpu_gguf_q4, cpu_int4
     from nanovllm.layers.quantization import gguf as gguf_method
     vnni, _ = engines
@@ -298,15 +299,22 @@ def test_crossover_switch(engines, monkeypatch):
 
     layer(x(small_rows + 1))          # not in a decode step: dense
     assert calls == []
-    monkeypatch.setattr(gguf_method, "in_decode_step", lambda: True)
-    layer(x(small_rows))
+    layer(x(small_rows))              # not in a decode step: the small-batch kernel
     assert calls == [small]
-    xs = x(small_rows + 1)
+    calls.clear()
+    monkeypatch.setattr(gguf_method, "in_decode_step", lambda: True)
+    first = method.min_vnni_decode_rows
+    assert first in (1, small_rows + 1)
+    if first > 1:
+        layer(x(first - 1))
+        assert calls == [small]
+        calls.clear()
+    xs = x(first)
     assert torch.equal(layer(xs), kernel(xs, method.vnni))  # the layer's product is the kernel's
-    assert calls == [small, "vnni"]
+    assert calls == ["vnni"]
     monkeypatch.setattr(method, "max_vnni_rows", small_rows + 4)
     layer(x(small_rows + 5))
-    assert calls == [small, "vnni"]               # past max_vnni_rows: dense
+    assert calls == ["vnni"]                      # past max_vnni_rows: dense
 
 
 def test_greedy_ids_match_the_bf16_path(engines):

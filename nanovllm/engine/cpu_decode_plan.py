@@ -77,12 +77,13 @@ class _MethodProduct:
 
 
 def _product(layer: nn.Module, rows: int, dtype: torch.dtype, out: torch.Tensor):
-    """The Q4 kernel bound to `layer`'s weight where its method runs it at `rows` rows (as
-    GGUFLinearMethod.apply chooses), else the method itself."""
+    """The Q4 kernel bound to `layer`'s weight where its method runs it at `rows` rows of a decode step
+    (as GGUFLinearMethod.apply chooses), else the method itself."""
     method = layer.quant_method
     packed = getattr(method, "q4", None)
     max_rows = min(getattr(method, "max_q4_rows", 0), cpu_gguf_q4.MAX_ROWS)  # (one call of the C++: MAX_ROWS at most)
-    if packed is not None and layer.bias is None and rows <= max_rows:
+    vnni_first = getattr(method, "runs_vnni", None) is not None and method.runs_vnni(rows, decode=True)
+    if packed is not None and layer.bias is None and rows <= max_rows and not vnni_first:
         fn = cpu_gguf_q4.function(dtype, packed.type_name)
         if fn is not None:
             return _Q4Product(fn, packed, out)

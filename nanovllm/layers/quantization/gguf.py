@@ -7,7 +7,8 @@ and gate/up rows, this rank's shard). After loading, on the CPU, a layer whose r
 Q4_0 or all Q4_1 is repacked for our C++ Q4 kernel (kernels/cpu_gguf_q4.py: fp32 arithmetic on
 the file's exact values) where it was measured faster (MAX_Q4_ROWS), and, where the CPU has
 AVX512-VNNI or AVX2, for the int8 "VNNI" kernel (vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd) that
-runs the batches above those rows (kernels/cpu_gguf_vnni.py: MAX_VNNI_ROWS); otherwise a layer whose
+runs the decode batches above those rows (on AVX2 every decode batch: MIN_VNNI_DECODE_ROWS; kernels/cpu_gguf_vnni.py:
+MAX_VNNI_ROWS); otherwise a layer whose
 rows are all Q4_0, Q4_1 or Q4_K is repacked for `_weight_int4pack_mm_for_cpu` (kernels/cpu_int4.py), and
 a layer whose rows are all Q8_0, all Q6_K or all Q5_K keeps them as int8 values and fp32 scales (one
 per 32 values; per 16 for Q6_K), with, for Q5_K, an fp32 offset per 32 values too (exactly the
@@ -107,6 +108,15 @@ VNNI_PREFILL = False
 # measured too (and than the int4 kernel, which keeps rows up to MAX_INT4_ROWS: 9.0 / 11.0 against
 # 23.8 / 28.8 at 8 rows).
 MAX_VNNI_ROWS = {"avx2": math.inf, "avx512_bf16": math.inf}
+# Token counts from which a decode step's batch of such a layer runs the VNNI kernel ahead of the Q4 and
+# int4 kernels (rows below it keep them; prefill steps keep them, exact, at every row count they take).
+# AVX512-BF16: past MAX_Q4_ROWS, so the few rows of a decode step stay exact. AVX2: from one row, with x
+# rounded to 8 bits per 32 values in decode steps as llama.cpp's AVX2 path rounds it: its AVX2 form took
+# 3.15 / 3.47 ms at 1 row against the Q4 kernel's 5.18 / 4.97 and the int4 kernel's 8.40 / 8.31, 4.97 /
+# 6.98 against 8.80 / 9.98 and 12.8 / 15.1 at 4, 9.01 / 11.0 against 18.4 / 21.2 and 23.8 / 28.8 at 8
+# (the same bench as above, fp32 x, `--kinds vnni q4 int4 dnn`, two runs; RESULTS.md "The int8 GGUF
+# product on AVX2 (twentieth session)"), and B2's one sequence is where the AVX2 kind trailed llama.cpp.
+MIN_VNNI_DECODE_ROWS = {"avx2": 1, "avx512_bf16": MAX_Q4_ROWS["avx512_bf16"] + 1}
 # The layers' types it runs (its Q8_0 form was measured for the LM head only, not for layers, whose
 # Q8_0 kernel keeps its small batches: kernels/cpu_gguf_vnni.py)
 VNNI_GGUF_TYPES = ("Q4_0", "Q4_1")
@@ -167,6 +177,7 @@ class GGUFConfig(QuantizationConfig):
         self.max_int4_rows = MAX_INT4_ROWS[cpu_kind()]
         self.max_vnni_rows = MAX_VNNI_ROWS[cpu_kind()] if VNNI_PRODUCTS and cpu_gguf_vnni.runs_here() else 0
         self.vnni_prefill = VNNI_PREFILL
+        self.min_vnni_decode_rows = MIN_VNNI_DECODE_ROWS[cpu_kind()]
         self.max_q8_0_rows = MAX_Q8_0_ROWS[cpu_kind()]
         self.max_q8_0_head_rows = MAX_Q8_0_HEAD_ROWS[cpu_kind()]
         self.max_q5_k_rows = MAX_Q5_K_ROWS[cpu_kind()]
@@ -239,6 +250,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         self.max_int4_rows = config.max_int4_rows
         self.max_vnni_rows = config.max_vnni_rows
         self.vnni_prefill = config.vnni_prefill
+        self.min_vnni_decode_rows = config.min_vnni_decode_rows
         self.max_q8_0_rows = config.max_q8_0_rows
         self.max_q5_k_rows = config.max_q5_k_rows
         self.q8_max_rows = 0  # batches of up to this many rows run the Q8_0 kernel (where `q8` is kept)
@@ -348,14 +360,23 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
                    self.max_int4_rows if self.packed is not None else 0,
                    self.max_vnni_rows if self.vnni is not None and self.vnni_prefill else 0)
 
+    def runs_vnni(self, rows: int, decode: bool) -> bool:
+        """Whether a batch of `rows` tokens runs the VNNI kernel: in decode steps (prefill too with
+        vnni_prefill) from min_vnni_decode_rows (below it, or outside decode steps, the Q4 and int4
+        kernels come first) up to max_vnni_rows."""
+        if self.vnni is None or rows > self.max_vnni_rows or not (decode or self.vnni_prefill):
+            return False
+        return (decode and rows >= self.min_vnni_decode_rows) or not (
+            self.q4 is not None and rows <= self.max_q4_rows or self.packed is not None and rows <= self.max_int4_rows)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = None
-        if self.q4 is not None and x.shape[0] <= self.max_q4_rows:
+        if self.runs_vnni(x.shape[0], in_decode_step()):
+            y = cpu_gguf_vnni.vnni_linear(x, self.vnni)  # [num_tokens, out]; None: a dtype it does not take
+        elif self.q4 is not None and x.shape[0] <= self.max_q4_rows:
             y = cpu_gguf_q4.q4_linear(x, self.q4)  # [num_tokens, out]; None: a dtype it does not take
         elif self.packed is not None and x.shape[0] <= self.max_int4_rows:
             y = cpu_int4.int4_linear(x, *self.packed)  # [num_tokens, out]
-        elif self.vnni is not None and x.shape[0] <= self.max_vnni_rows and (self.vnni_prefill or in_decode_step()):
-            y = cpu_gguf_vnni.vnni_linear(x, self.vnni)  # [num_tokens, out]; None: a dtype it does not take
         elif self.q8 is not None and x.shape[0] <= self.q8_max_rows:
             y = cpu_q8_0.q8_0_linear(x, self.q8)  # [num_tokens, out]
         if y is None:
