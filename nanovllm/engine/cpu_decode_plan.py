@@ -82,8 +82,8 @@ def _product(layer: nn.Module, rows: int, dtype: torch.dtype, out: torch.Tensor)
     method = layer.quant_method
     packed = getattr(method, "q4", None)
     max_rows = min(getattr(method, "max_q4_rows", 0), cpu_gguf_q4.MAX_ROWS)  # (one call of the C++: MAX_ROWS at most)
-    vnni_first = getattr(method, "runs_vnni", None) is not None and method.runs_vnni(rows, decode=True)
-    if packed is not None and layer.bias is None and rows <= max_rows and not vnni_first:
+    # (a method with a Q4 pack is GGUFLinearMethod: its decode batches may run the VNNI kernel first)
+    if packed is not None and layer.bias is None and rows <= max_rows and not method.runs_vnni(rows, decode=True):
         fn = cpu_gguf_q4.function(dtype, packed.type_name)
         if fn is not None:
             return _Q4Product(fn, packed, out)
