@@ -15,12 +15,19 @@ real code. Only for benchmarks: the text is random.
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
 
+The timeline counts what the device ran (`DeviceStats`: steps, rows, rounds, busy seconds; decode
+rows by batch size): a deterministic view of batching that the wall clock of a shared machine
+blurs. With NANOVLLM_SIM_STATS set to a path, the process writes them there as JSON at exit
+(bench_serving reads the server's).
+
 `install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline). It also
 sets NANOVLLM_SIM_DEVICE, so the server's engine process (`--enable-frontend-multiprocessing`,
 spawned from this script, which multiprocessing re-runs in the child as `__mp_main__`) installs
 the same device before it builds its engine.
 """
 import argparse
+import atexit
+import json
 import os
 import random
 import sys
@@ -35,6 +42,36 @@ DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step ta
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
 ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us" for a spawned engine process
+STATS_ENV_VAR = "NANOVLLM_SIM_STATS"  # a path: write the DeviceStats there as JSON at exit
+
+
+@dataclass
+class DeviceStats:
+    """What the simulated device ran: steps, their rows (scheduled sequences), multi-step rounds,
+    busy seconds, and the decode steps by number of rows."""
+    steps: int = 0
+    rows: int = 0
+    rounds: int = 0
+    busy_s: float = 0.0
+    decode_steps_by_rows: dict[int, int] = field(default_factory=dict)
+    launches: list[tuple[float, int, int]] = field(default_factory=list)  # (time, rows, steps) per launch
+
+    def launch(self, num_rows: int, num_steps: int) -> None:
+        self.rounds += 1
+        self.launches.append((round(time.perf_counter(), 4), num_rows, num_steps))
+
+    def record(self, num_rows: int, seconds: float, decode: bool) -> None:
+        self.steps += 1
+        self.rows += num_rows
+        self.busy_s += seconds
+        if decode:
+            self.decode_steps_by_rows[num_rows] = self.decode_steps_by_rows.get(num_rows, 0) + 1
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "rounds": self.rounds, "rows_per_step": round(self.rows / max(self.steps, 1), 2),
+                "busy_s": round(self.busy_s, 3),
+                "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
+                "launches": self.launches}
 
 
 class DeviceTimeline:
@@ -44,11 +81,16 @@ class DeviceTimeline:
         self.step_s, self.token_s = step_s, token_s
         self.free_at = 0.0
         self.lock = threading.Lock()
+        self.stats = DeviceStats()
 
-    def queue(self, num_tokens: int) -> float:
-        """Queue one step of `num_tokens` tokens; returns the time it ends."""
+    def queue(self, num_tokens: int, num_rows: int | None = None) -> float:
+        """Queue one step of `num_tokens` tokens over `num_rows` sequences (None: one token each,
+        a decode step); returns the time it ends."""
+        seconds = self.step_s + self.token_s * num_tokens
         with self.lock:
-            self.free_at = max(time.perf_counter(), self.free_at) + self.step_s + self.token_s * num_tokens
+            self.free_at = max(time.perf_counter(), self.free_at) + seconds
+            self.stats.record(num_tokens if num_rows is None else num_rows, seconds,
+                              decode=num_rows is None or num_rows == num_tokens)
             return self.free_at
 
     @staticmethod
@@ -81,7 +123,8 @@ class SimulatedModelRunner:
         self.timeline = timeline
 
     def run(self, seqs) -> ModelRunnerOutput:
-        end = self.timeline.queue(sum(seq.num_scheduled_tokens for seq in seqs))
+        self.timeline.stats.launch(len(seqs), 1)
+        end = self.timeline.queue(sum(seq.num_scheduled_tokens for seq in seqs), len(seqs))
         DeviceTimeline.wait(end)
         # a sequence samples once this step reaches the end of its tokens (not mid-prompt)
         return ModelRunnerOutput([random.randrange(*SAMPLED_ID_RANGE)
@@ -89,6 +132,7 @@ class SimulatedModelRunner:
                                   for seq in seqs])
 
     def launch_decode_round(self, seqs, num_steps: int, after=None) -> SimulatedRound:
+        self.timeline.stats.launch(len(seqs), num_steps)
         return SimulatedRound(list(seqs), num_steps, [self.timeline.queue(len(seqs)) for _ in range(num_steps)])
 
     def shutdown(self) -> None:
@@ -101,6 +145,16 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
     timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
     os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
+    install.timeline = timeline
+    if os.environ.get(STATS_ENV_VAR):
+        atexit.register(_write_stats, timeline.stats, os.environ[STATS_ENV_VAR])
+
+
+def _write_stats(stats: DeviceStats, path: str) -> None:
+    if not stats.steps:
+        return  # a process that built no engine (the server's frontend in multiprocess mode)
+    with open(path, "w") as f:
+        json.dump(stats.summary(), f)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
 
-from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS, Config
+from nanovllm.config import DEFAULT_ARRIVAL_ROUND_STEPS, DEFAULT_GPU_SCHEDULER_STEPS, Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import make_model_runner
 from nanovllm.engine.decode_round import DecodeRound
@@ -58,6 +58,11 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
+        self.arrival_round_steps = min(self.config.arrival_round_steps or DEFAULT_ARRIVAL_ROUND_STEPS,
+                                       self.num_scheduler_steps)
+        # Rounds launched (prefill steps included) since the last request was added; None once
+        # the rounds have grown back to full length (config.DEFAULT_ARRIVAL_ROUND_STEPS).
+        self._rounds_since_arrival: int | None = None
         self._next_round: DecodeRound | None = None  # launched ahead of the host (async scheduling)
         # A caller that queues requests outside the engine (AsyncLLM) sets this: while it
         # returns True no round is chained, so newcomers join at the next round boundary.
@@ -161,6 +166,8 @@ class LLMEngine:
         for seq in seqs[1:]:
             self.scheduler.add(seq, prefill_parent=seqs[0])
         self.output_processor.add_request(request_id, prompt_text, seqs)
+        if self.arrival_round_steps < self.num_scheduler_steps:
+            self._rounds_since_arrival = 0   # short rounds again while the batch has room
         return request_id
 
     def _new_request_id(self) -> str:
@@ -294,6 +301,7 @@ class LLMEngine:
             self._wait_for_grammars()
             return []
         num_steps = self._decode_steps(seqs)
+        self._count_round()
         if num_steps > 1:
             return self._finish_round(self.model_runner.launch_decode_round(seqs, num_steps), start)
         num_decode = sum(1 for s in seqs if not s.is_prefilling)
@@ -362,6 +370,7 @@ class LLMEngine:
             return None
         for seq in seqs:
             seq.num_scheduled_tokens = 1
+        self._count_round()
         return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
 
     def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
@@ -375,7 +384,22 @@ class LLMEngine:
         """
         if self.num_scheduler_steps == 1:
             return 1
-        return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
+        return self.scheduler.extend_decode(seqs, self._max_round_steps(), self.max_model_len, num_pending)
+
+    def _max_round_steps(self) -> int:
+        """The most decode steps the next round may run: num_scheduler_steps, or fewer while the
+        rounds after an arrival grow back (arrival_round_steps, doubling each round) and the
+        batch has room for more arrivals to join (config.DEFAULT_ARRIVAL_ROUND_STEPS says why)."""
+        if self._rounds_since_arrival is None or len(self.scheduler.running) >= self.config.max_num_seqs:
+            return self.num_scheduler_steps
+        return min(self.num_scheduler_steps, self.arrival_round_steps << self._rounds_since_arrival)
+
+    def _count_round(self) -> None:
+        """One more round (or plain step) launched since the last arrival."""
+        if self._rounds_since_arrival is not None:
+            self._rounds_since_arrival += 1
+            if self.arrival_round_steps << self._rounds_since_arrival >= self.num_scheduler_steps:
+                self._rounds_since_arrival = None
 
     def _postprocess(self, seqs: list[Sequence], output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Apply one step's sampled tokens; sequences that finished earlier in a multi-step
