@@ -33,8 +33,8 @@ DEFAULT_GPU_SCHEDULER_STEPS = 16
 # steps) up to num_scheduler_steps. A burst of arrivals (B3's wave of 64 clients, sent as the
 # previous 64 streams end together) thus joins within a step or two instead of waiting out a
 # 16-step round that its first few requests started alone; once arrivals stop, full-length rounds
-# return after four rounds. A full batch, or a run whose requests were all queued before it
-# started (LLM.generate: its prefill steps take the ramp's place), runs full-length rounds as before.
+# return after four rounds. A full batch runs full-length rounds, and so does offline inference
+# (LLM.generate queues every request before it steps: nothing arrives; LLMEngine.serve_online).
 # Measured on the simulated device: benchmarks/RESULTS.md "B3: rounds while requests arrive".
 DEFAULT_ARRIVAL_ROUND_STEPS = 1
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU

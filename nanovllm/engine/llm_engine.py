@@ -64,9 +64,10 @@ class LLMEngine:
         # the rounds have grown back to full length (config.DEFAULT_ARRIVAL_ROUND_STEPS).
         self._rounds_since_arrival: int | None = None
         self._next_round: DecodeRound | None = None  # launched ahead of the host (async scheduling)
-        # A caller that queues requests outside the engine (AsyncLLM) sets this: while it
-        # returns True no round is chained, so newcomers join at the next round boundary.
+        # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
+        # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
+        self.online = False   # requests arrive while the engine runs: they start short rounds
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -166,9 +167,18 @@ class LLMEngine:
         for seq in seqs[1:]:
             self.scheduler.add(seq, prefill_parent=seqs[0])
         self.output_processor.add_request(request_id, prompt_text, seqs)
-        if self.arrival_round_steps < self.num_scheduler_steps:
+        if self.online and self.arrival_round_steps < self.num_scheduler_steps:
             self._rounds_since_arrival = 0   # short rounds again while the batch has room
         return request_id
+
+    def serve_online(self, requests_arriving: Callable[[], bool]) -> None:
+        """For a caller that adds requests while the engine runs (AsyncLLM, the engine process):
+        `requests_arriving` says whether it holds requests not added yet (no round is chained
+        past them), and each request added starts the short rounds of `arrival_round_steps`
+        (config.DEFAULT_ARRIVAL_ROUND_STEPS). Offline callers (LLM.generate) queue everything
+        before stepping, and their rounds stay full-length."""
+        self.requests_arriving = requests_arriving
+        self.online = True
 
     def _new_request_id(self) -> str:
         request_id = str(next(self._request_counter))
