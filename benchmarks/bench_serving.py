@@ -80,6 +80,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
+TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes")  # sim_device's timed events
+
+
 def sim_stats_path(args) -> str:
     return os.path.join(tempfile.gettempdir(), f"bench_serving_sim_stats_{os.getpid()}.json")
 
@@ -354,9 +357,11 @@ def main() -> None:
                                                        if "busy_fraction" in stats else ""))
     if os.environ.get("B3_LAUNCH_LOG"):
         with open(os.environ["B3_LAUNCH_LOG"], "w") as f:
-            json.dump({k: summary[k].pop("launches") for k in ("sim_device", "offline_sim_device") if k in summary}, f)
+            json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS}
+                       for k in ("sim_device", "offline_sim_device") if k in summary}, f)
     for key in ("sim_device", "offline_sim_device"):
-        summary.get(key, {}).pop("launches", None)
+        for log in TIMELINE_LOGS:
+            summary.get(key, {}).pop(log, None)
     print(json.dumps(summary))
 
 

@@ -17,8 +17,8 @@ real code. Only for benchmarks: the text is random.
 
 The timeline counts what the device ran (`DeviceStats`: steps, rows, rounds, busy seconds; decode
 rows by batch size): a deterministic view of batching that the wall clock of a shared machine
-blurs. With NANOVLLM_SIM_STATS set to a path, the process writes them there as JSON at exit
-(bench_serving reads the server's).
+blurs. With NANOVLLM_SIM_STATS set to a path, the engine writes them there as JSON when it shuts
+down (bench_serving reads the server's).
 
 `install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline). It also
 sets NANOVLLM_SIM_DEVICE, so the server's engine process (`--enable-frontend-multiprocessing`,
@@ -26,7 +26,6 @@ spawned from this script, which multiprocessing re-runs in the child as `__mp_ma
 the same device before it builds its engine.
 """
 import argparse
-import atexit
 import json
 import os
 import random
@@ -42,7 +41,7 @@ DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step ta
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
 ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us" for a spawned engine process
-STATS_ENV_VAR = "NANOVLLM_SIM_STATS"  # a path: write the DeviceStats there as JSON at exit
+STATS_ENV_VAR = "NANOVLLM_SIM_STATS"  # a path: write the DeviceStats there as JSON at shutdown
 
 
 @dataclass
@@ -55,6 +54,9 @@ class DeviceStats:
     busy_s: float = 0.0
     decode_steps_by_rows: dict[int, int] = field(default_factory=dict)
     launches: list[tuple[float, int, int]] = field(default_factory=list)  # (time, rows, steps) per launch
+    arrivals: list[float] = field(default_factory=list)  # when each request was added to the engine
+    submits: list[float] = field(default_factory=list)   # when the event loop queued each command
+    finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests) a step finished
 
     def launch(self, num_rows: int, num_steps: int) -> None:
         self.rounds += 1
@@ -71,7 +73,8 @@ class DeviceStats:
         return {"steps": self.steps, "rounds": self.rounds, "rows_per_step": round(self.rows / max(self.steps, 1), 2),
                 "busy_s": round(self.busy_s, 3),
                 "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
-                "launches": self.launches}
+                "launches": self.launches, "arrivals": self.arrivals, "submits": self.submits,
+                "finishes": self.finishes}
 
 
 class DeviceTimeline:
@@ -136,7 +139,9 @@ class SimulatedModelRunner:
         return SimulatedRound(list(seqs), num_steps, [self.timeline.queue(len(seqs)) for _ in range(num_steps)])
 
     def shutdown(self) -> None:
-        pass
+        """The engine's end (the server's shutdown, in either frontend mode): write the stats."""
+        if os.environ.get(STATS_ENV_VAR):
+            _write_stats(self.timeline.stats, os.environ[STATS_ENV_VAR])
 
 
 def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US) -> None:
@@ -144,15 +149,33 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
     from nanovllm.engine import llm_engine
     timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
+    add_request = llm_engine.LLMEngine.add_request
+
+    def timed_add_request(engine, *args, **kwargs):
+        timeline.stats.arrivals.append(round(time.perf_counter(), 4))
+        return add_request(engine, *args, **kwargs)
+    llm_engine.LLMEngine.add_request = timed_add_request
+    step = llm_engine.LLMEngine.step
+
+    def timed_step(engine):
+        outputs = step(engine)
+        finished = sum(out.finished for out in outputs)
+        if finished:
+            timeline.stats.finishes.append((round(time.perf_counter(), 4), finished))
+        return outputs
+    llm_engine.LLMEngine.step = timed_step
+    from nanovllm.engine import async_llm
+    submit = async_llm.EngineThread._submit
+
+    def timed_submit(core, command):
+        timeline.stats.submits.append(round(time.perf_counter(), 4))
+        return submit(core, command)
+    async_llm.EngineThread._submit = timed_submit
     os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
     install.timeline = timeline
-    if os.environ.get(STATS_ENV_VAR):
-        atexit.register(_write_stats, timeline.stats, os.environ[STATS_ENV_VAR])
 
 
 def _write_stats(stats: DeviceStats, path: str) -> None:
-    if not stats.steps:
-        return  # a process that built no engine (the server's frontend in multiprocess mode)
     with open(path, "w") as f:
         json.dump(stats.summary(), f)
 
