@@ -394,13 +394,14 @@ class LLMEngine:
         """
         if self.num_scheduler_steps == 1:
             return 1
-        return self.scheduler.extend_decode(seqs, self._max_round_steps(), self.max_model_len, num_pending)
+        return self.scheduler.extend_decode(seqs, self._max_round_steps(len(seqs)), self.max_model_len, num_pending)
 
-    def _max_round_steps(self) -> int:
-        """The most decode steps the next round may run: num_scheduler_steps, or fewer while the
-        rounds after an arrival grow back (arrival_round_steps, doubling each round) and the
-        batch has room for more arrivals to join (config.DEFAULT_ARRIVAL_ROUND_STEPS says why)."""
-        if self._rounds_since_arrival is None or len(self.scheduler.running) >= self.config.max_num_seqs:
+    def _max_round_steps(self, num_seqs: int) -> int:
+        """The most decode steps a round of `num_seqs` sequences may run: num_scheduler_steps, or
+        fewer while the rounds after an arrival grow back (arrival_round_steps, doubling each
+        round) and the batch has room for more arrivals to join (config.DEFAULT_ARRIVAL_ROUND_STEPS
+        says why)."""
+        if self._rounds_since_arrival is None or num_seqs >= self.config.max_num_seqs:
             return self.num_scheduler_steps
         return min(self.num_scheduler_steps, self.arrival_round_steps << self._rounds_since_arrival)
 
