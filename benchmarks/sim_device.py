@@ -57,6 +57,7 @@ class DeviceStats:
     arrivals: list[float] = field(default_factory=list)  # when each request was added to the engine
     submits: list[float] = field(default_factory=list)   # when the event loop queued each command
     finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests) a step finished
+    idle: list[tuple[float, float]] = field(default_factory=list)  # (from, seconds) the device waited
 
     def launch(self, num_rows: int, num_steps: int) -> None:
         self.rounds += 1
@@ -71,10 +72,10 @@ class DeviceStats:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "rounds": self.rounds, "rows_per_step": round(self.rows / max(self.steps, 1), 2),
-                "busy_s": round(self.busy_s, 3),
+                "busy_s": round(self.busy_s, 3), "idle_s": round(sum(gap for _, gap in self.idle), 3),
                 "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
                 "launches": self.launches, "arrivals": self.arrivals, "submits": self.submits,
-                "finishes": self.finishes}
+                "finishes": self.finishes, "idle": self.idle}
 
 
 class DeviceTimeline:
@@ -91,7 +92,10 @@ class DeviceTimeline:
         a decode step); returns the time it ends."""
         seconds = self.step_s + self.token_s * num_tokens
         with self.lock:
-            self.free_at = max(time.perf_counter(), self.free_at) + seconds
+            now = time.perf_counter()
+            if self.free_at and now > self.free_at:   # the device ran dry: it waited for the host
+                self.stats.idle.append((round(self.free_at, 4), round(now - self.free_at, 4)))
+            self.free_at = max(now, self.free_at) + seconds
             self.stats.record(num_tokens if num_rows is None else num_rows, seconds,
                               decode=num_rows is None or num_rows == num_tokens)
             return self.free_at
