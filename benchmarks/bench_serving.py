@@ -14,7 +14,9 @@ output tokens/s over the timed run, and prints a final JSON line. With
 (after the server has stopped), so the server's overhead can be read off a shared,
 noisy machine as a ratio. The server's CPU time per output token (all its threads) and the
 baseline's are printed too: steadier than wall time on a shared machine. --simulate-step-ms
-runs both on a simulated device (sim_device.py), which leaves only the host's work.
+runs both on a simulated device (sim_device.py), which leaves only the host's work, and prints
+what that device ran for each (steps, rounds, rows a step, busy and idle seconds, decode steps by
+their number of rows: a deterministic view of batching that the wall clock blurs).
 
     PYTHONPATH=. python benchmarks/bench_serving.py --concurrency 16 --num-prompts 64 --max-tokens 64
 """
@@ -59,7 +61,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--port", "0", "--log-stats-interval", "10", *args.server_args.split()]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if args.simulate_step_ms is not None:   # what the simulated device ran, written at the server's exit
-        env["NANOVLLM_SIM_STATS"] = sim_stats_path(args)
+        env["NANOVLLM_SIM_STATS"] = sim_stats_path()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port: list[int] = []
     ready = threading.Event()
@@ -83,7 +85,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "idle")  # sim_device's timed events
 
 
-def sim_stats_path(args) -> str:
+def sim_stats_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"bench_serving_sim_stats_{os.getpid()}.json")
 
 
@@ -92,9 +94,9 @@ def read_sim_stats(args) -> dict | None:
     if args.simulate_step_ms is None or args.url:
         return None
     try:
-        with open(sim_stats_path(args)) as f:
+        with open(sim_stats_path()) as f:
             stats = json.load(f)
-        os.unlink(sim_stats_path(args))
+        os.unlink(sim_stats_path())
         return stats
     except OSError:
         return None
@@ -317,6 +319,9 @@ def main() -> None:
     parser.add_argument("--simulate-step-ms", type=float, default=None,
                         help="run server and baseline on a simulated device whose decode step takes this long "
                              "(benchmarks/sim_device.py): the host's share of serving, on any machine")
+    parser.add_argument("--sim-timeline", metavar="PATH", default=None,
+                        help="with --simulate-step-ms: write the simulated device's timed events (launches, "
+                             "requests added, submitted and finished, idle gaps) there as JSON")
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
@@ -354,9 +359,10 @@ def main() -> None:
             stats = summary[key]
             print(f"  {key}: {stats['steps']} steps in {stats['rounds']} rounds, {stats['rows_per_step']} rows a "
                   f"step, busy {stats['busy_s']} s" + (f" ({stats['busy_fraction']} of the run)"
-                                                       if "busy_fraction" in stats else ""))
-    if os.environ.get("B3_LAUNCH_LOG"):
-        with open(os.environ["B3_LAUNCH_LOG"], "w") as f:
+                                                       if "busy_fraction" in stats else "")
+                  + f", idle {stats['idle_s']} s; decode steps by rows {stats['decode_steps_by_rows']}")
+    if args.sim_timeline:
+        with open(args.sim_timeline, "w") as f:
             json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS}
                        for k in ("sim_device", "offline_sim_device") if k in summary}, f)
     for key in ("sim_device", "offline_sim_device"):

@@ -15,10 +15,16 @@ real code. Only for benchmarks: the text is random.
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
 
-The timeline counts what the device ran (`DeviceStats`: steps, rows, rounds, busy seconds; decode
-rows by batch size): a deterministic view of batching that the wall clock of a shared machine
-blurs. With NANOVLLM_SIM_STATS set to a path, the engine writes them there as JSON when it shuts
-down (bench_serving reads the server's).
+The engine still resolves its device as the CPU, where multi-step rounds are off by default: give
+`--num-scheduler-steps 16 --async-scheduling` (the GPU's defaults) to simulate the GPU's rounds.
+
+The timeline counts what the device ran (`DeviceStats`: steps, rows, rounds, busy seconds, the
+gaps where it waited for the host; decode steps by their number of rows): a deterministic view of
+batching that the wall clock of a shared machine blurs. It also times the engine's events: each
+launch (rows, steps), each request added (`LLMEngine.add_request`), each step that finished
+requests, and, in thread mode, each command the event loop queued (`EngineThread._submit`), by
+wrapping those methods. With NANOVLLM_SIM_STATS set to a path, the engine writes it all there as
+JSON when it shuts down (bench_serving reads the server's; its --sim-timeline keeps the events).
 
 `install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline). It also
 sets NANOVLLM_SIM_DEVICE, so the server's engine process (`--enable-frontend-multiprocessing`,
@@ -153,30 +159,37 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
     from nanovllm.engine import llm_engine
     timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
-    add_request = llm_engine.LLMEngine.add_request
+    install.timeline = timeline
+    _time_engine_events()
+    os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
+
+
+def _time_engine_events() -> None:
+    """Wrap (once) the methods whose calls the stats time: requests added, steps that finished
+    requests, commands the event loop queued in thread mode."""
+    from nanovllm.engine import async_llm, llm_engine
+    if getattr(llm_engine.LLMEngine.add_request, "timed", False):
+        return
+    add_request, step = llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step
+    submit = async_llm.EngineThread._submit
 
     def timed_add_request(engine, *args, **kwargs):
-        timeline.stats.arrivals.append(round(time.perf_counter(), 4))
+        install.timeline.stats.arrivals.append(round(time.perf_counter(), 4))
         return add_request(engine, *args, **kwargs)
-    llm_engine.LLMEngine.add_request = timed_add_request
-    step = llm_engine.LLMEngine.step
 
     def timed_step(engine):
         outputs = step(engine)
         finished = sum(out.finished for out in outputs)
         if finished:
-            timeline.stats.finishes.append((round(time.perf_counter(), 4), finished))
+            install.timeline.stats.finishes.append((round(time.perf_counter(), 4), finished))
         return outputs
-    llm_engine.LLMEngine.step = timed_step
-    from nanovllm.engine import async_llm
-    submit = async_llm.EngineThread._submit
 
     def timed_submit(core, command):
-        timeline.stats.submits.append(round(time.perf_counter(), 4))
+        install.timeline.stats.submits.append(round(time.perf_counter(), 4))
         return submit(core, command)
+    timed_add_request.timed = True
+    llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step = timed_add_request, timed_step
     async_llm.EngineThread._submit = timed_submit
-    os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
-    install.timeline = timeline
 
 
 def _write_stats(stats: DeviceStats, path: str) -> None:
