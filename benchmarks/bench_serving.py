@@ -321,7 +321,7 @@ def main() -> None:
                              "(benchmarks/sim_device.py): the host's share of serving, on any machine")
     parser.add_argument("--sim-timeline", metavar="PATH", default=None,
                         help="with --simulate-step-ms: write the simulated device's timed events (launches, "
-                             "requests added, submitted and finished, idle gaps) there as JSON")
+                             "requests added, submitted and finished, idle gaps) there as JSON (sim_timeline.py prints it)")
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
