@@ -14,7 +14,9 @@ output tokens/s over the timed run, and prints a final JSON line. With
 (after the server has stopped), so the server's overhead can be read off a shared,
 noisy machine as a ratio. The server's CPU time per output token (all its threads) and the
 baseline's are printed too: steadier than wall time on a shared machine. --simulate-step-ms
-runs both on a simulated device (sim_device.py), which leaves only the host's work.
+runs both on a simulated device (sim_device.py), which leaves only the host's work, and prints
+what that device ran for each (steps, rounds, rows a step, busy and idle seconds, decode steps by
+their number of rows: a deterministic view of batching that the wall clock blurs).
 
     PYTHONPATH=. python benchmarks/bench_serving.py --concurrency 16 --num-prompts 64 --max-tokens 64
 """
@@ -28,6 +30,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -57,6 +60,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, *server, *([args.model] if args.model else []),
            "--port", "0", "--log-stats-interval", "10", *args.server_args.split()]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.simulate_step_ms is not None:   # what the simulated device ran, written at the server's exit
+        env["NANOVLLM_SIM_STATS"] = sim_stats_path()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port: list[int] = []
     ready = threading.Event()
@@ -75,6 +80,26 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise SystemExit("the server did not start (rerun with --show-server-log)")
     return proc, f"http://127.0.0.1:{port[0]}"
+
+
+TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "idle")  # sim_device's timed events
+
+
+def sim_stats_path() -> str:
+    return os.path.join(tempfile.gettempdir(), f"bench_serving_sim_stats_{os.getpid()}.json")
+
+
+def read_sim_stats(args) -> dict | None:
+    """The server's simulated device's DeviceStats (sim_device.py), or None when not simulated."""
+    if args.simulate_step_ms is None or args.url:
+        return None
+    try:
+        with open(sim_stats_path()) as f:
+            stats = json.load(f)
+        os.unlink(sim_stats_path())
+        return stats
+    except OSError:
+        return None
 
 
 def request_body(question: str, max_tokens: int) -> dict:
@@ -241,10 +266,11 @@ def per_token_ms(cpu_s: float, out_tokens: int) -> float | None:
     return round(cpu_s * 1e3 / out_tokens, 4) if out_tokens else None
 
 
-def offline_tokens_per_s(args) -> tuple[float, float]:
+def offline_tokens_per_s(args) -> tuple[float, float, dict | None]:
     """The same requests through `LLM.generate` in this process, `--concurrency` at a time: the
     engine's own speed on this machine now, to read the server's figures against. Returns
-    output tokens/s and this process's CPU ms per output token."""
+    output tokens/s, this process's CPU ms per output token, and what the simulated device ran
+    in the timed run (None when not simulated)."""
     from nanovllm import LLM, SamplingParams
     if args.simulate_step_ms is not None:
         sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -261,6 +287,8 @@ def offline_tokens_per_s(args) -> tuple[float, float]:
 
     def run():   # in a worker thread, as the server's engine loop (torch's CPU threading differs by thread)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)   # warm-up
+        if args.simulate_step_ms is not None:
+            sim_device.install.timeline.stats = sim_device.DeviceStats()
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
@@ -269,7 +297,8 @@ def offline_tokens_per_s(args) -> tuple[float, float]:
     worker = threading.Thread(target=run)
     worker.start()
     worker.join()
-    return result[0], result[1]
+    stats = sim_device.install.timeline.stats.summary() if args.simulate_step_ms is not None else None
+    return result[0], result[1], stats
 
 
 def main() -> None:
@@ -290,6 +319,9 @@ def main() -> None:
     parser.add_argument("--simulate-step-ms", type=float, default=None,
                         help="run server and baseline on a simulated device whose decode step takes this long "
                              "(benchmarks/sim_device.py): the host's share of serving, on any machine")
+    parser.add_argument("--sim-timeline", metavar="PATH", default=None,
+                        help="with --simulate-step-ms: write the simulated device's timed events (launches, "
+                             "requests added, submitted and finished, idle gaps) there as JSON (sim_timeline.py prints it)")
     args = parser.parse_args()
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
@@ -299,8 +331,13 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     summary = summarize(results, elapsed, server_cpu, args)
+    sim_stats = read_sim_stats(args)
+    if sim_stats is not None:   # the warm-up request's steps included
+        summary["sim_device"] = {**sim_stats, "busy_fraction": round(sim_stats["busy_s"] / elapsed, 3)}
     if args.offline_baseline:
-        offline, offline_cpu_ms = offline_tokens_per_s(args)
+        offline, offline_cpu_ms, offline_sim = offline_tokens_per_s(args)
+        if offline_sim is not None:
+            summary["offline_sim_device"] = offline_sim
         summary["offline_output_tokens_per_s"] = round(offline, 1)
         summary["offline_cpu_ms_per_token"] = round(offline_cpu_ms, 4)
         summary["serving_over_offline"] = round(summary["output_tokens_per_s"] / offline, 3)
@@ -317,6 +354,20 @@ def main() -> None:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
               f"(serving / offline = {summary['serving_over_offline']}); "
               f"CPU time {summary['offline_cpu_ms_per_token']} ms per output token")
+    for key in ("sim_device", "offline_sim_device"):
+        if key in summary:
+            stats = summary[key]
+            print(f"  {key}: {stats['steps']} steps in {stats['rounds']} rounds, {stats['rows_per_step']} rows a "
+                  f"step, busy {stats['busy_s']} s" + (f" ({stats['busy_fraction']} of the run)"
+                                                       if "busy_fraction" in stats else "")
+                  + f", idle {stats['idle_s']} s; decode steps by rows {stats['decode_steps_by_rows']}")
+    if args.sim_timeline:
+        with open(args.sim_timeline, "w") as f:
+            json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS}
+                       for k in ("sim_device", "offline_sim_device") if k in summary}, f)
+    for key in ("sim_device", "offline_sim_device"):
+        for log in TIMELINE_LOGS:
+            summary.get(key, {}).pop(log, None)
     print(json.dumps(summary))
 
 

@@ -15,12 +15,24 @@ real code. Only for benchmarks: the text is random.
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
 
+The engine still resolves its device as the CPU, where multi-step rounds are off by default: give
+`--num-scheduler-steps 16 --async-scheduling` (the GPU's defaults) to simulate the GPU's rounds.
+
+The timeline counts what the device ran (`DeviceStats`: steps, rows, rounds, busy seconds, the
+gaps where it waited for the host; decode steps by their number of rows): a deterministic view of
+batching that the wall clock of a shared machine blurs. It also times the engine's events: each
+launch (rows, steps), each request added (`LLMEngine.add_request`), each step that finished
+requests, and, in thread mode, each command the event loop queued (`EngineThread._submit`), by
+wrapping those methods. With NANOVLLM_SIM_STATS set to a path, the engine writes it all there as
+JSON when it shuts down (bench_serving reads the server's; its --sim-timeline keeps the events).
+
 `install(step_ms, token_us)` does the same in-process (bench_serving's offline baseline). It also
 sets NANOVLLM_SIM_DEVICE, so the server's engine process (`--enable-frontend-multiprocessing`,
 spawned from this script, which multiprocessing re-runs in the child as `__mp_main__`) installs
 the same device before it builds its engine.
 """
 import argparse
+import json
 import os
 import random
 import sys
@@ -35,6 +47,41 @@ DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step ta
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
 ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us" for a spawned engine process
+STATS_ENV_VAR = "NANOVLLM_SIM_STATS"  # a path: write the DeviceStats there as JSON at shutdown
+
+
+@dataclass
+class DeviceStats:
+    """What the simulated device ran: steps, their rows (scheduled sequences), multi-step rounds,
+    busy seconds, and the decode steps by number of rows."""
+    steps: int = 0
+    rows: int = 0
+    rounds: int = 0
+    busy_s: float = 0.0
+    decode_steps_by_rows: dict[int, int] = field(default_factory=dict)
+    launches: list[tuple[float, int, int]] = field(default_factory=list)  # (time, rows, steps) per launch
+    arrivals: list[float] = field(default_factory=list)  # when each request was added to the engine
+    submits: list[float] = field(default_factory=list)   # when the event loop queued each command
+    finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests) a step finished
+    idle: list[tuple[float, float]] = field(default_factory=list)  # (from, seconds) the device waited
+
+    def launch(self, num_rows: int, num_steps: int) -> None:
+        self.rounds += 1
+        self.launches.append((round(time.perf_counter(), 4), num_rows, num_steps))
+
+    def record(self, num_rows: int, seconds: float, decode: bool) -> None:
+        self.steps += 1
+        self.rows += num_rows
+        self.busy_s += seconds
+        if decode:
+            self.decode_steps_by_rows[num_rows] = self.decode_steps_by_rows.get(num_rows, 0) + 1
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "rounds": self.rounds, "rows_per_step": round(self.rows / max(self.steps, 1), 2),
+                "busy_s": round(self.busy_s, 3), "idle_s": round(sum(gap for _, gap in self.idle), 3),
+                "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
+                "launches": self.launches, "arrivals": self.arrivals, "submits": self.submits,
+                "finishes": self.finishes, "idle": self.idle}
 
 
 class DeviceTimeline:
@@ -44,11 +91,19 @@ class DeviceTimeline:
         self.step_s, self.token_s = step_s, token_s
         self.free_at = 0.0
         self.lock = threading.Lock()
+        self.stats = DeviceStats()
 
-    def queue(self, num_tokens: int) -> float:
-        """Queue one step of `num_tokens` tokens; returns the time it ends."""
+    def queue(self, num_tokens: int, num_rows: int | None = None) -> float:
+        """Queue one step of `num_tokens` tokens over `num_rows` sequences (None: one token each,
+        a decode step); returns the time it ends."""
+        seconds = self.step_s + self.token_s * num_tokens
         with self.lock:
-            self.free_at = max(time.perf_counter(), self.free_at) + self.step_s + self.token_s * num_tokens
+            now = time.perf_counter()
+            if self.free_at and now > self.free_at:   # the device ran dry: it waited for the host
+                self.stats.idle.append((round(self.free_at, 4), round(now - self.free_at, 4)))
+            self.free_at = max(now, self.free_at) + seconds
+            self.stats.record(num_tokens if num_rows is None else num_rows, seconds,
+                              decode=num_rows is None or num_rows == num_tokens)
             return self.free_at
 
     @staticmethod
@@ -81,7 +136,8 @@ class SimulatedModelRunner:
         self.timeline = timeline
 
     def run(self, seqs) -> ModelRunnerOutput:
-        end = self.timeline.queue(sum(seq.num_scheduled_tokens for seq in seqs))
+        self.timeline.stats.launch(len(seqs), 1)
+        end = self.timeline.queue(sum(seq.num_scheduled_tokens for seq in seqs), len(seqs))
         DeviceTimeline.wait(end)
         # a sequence samples once this step reaches the end of its tokens (not mid-prompt)
         return ModelRunnerOutput([random.randrange(*SAMPLED_ID_RANGE)
@@ -89,10 +145,13 @@ class SimulatedModelRunner:
                                   for seq in seqs])
 
     def launch_decode_round(self, seqs, num_steps: int, after=None) -> SimulatedRound:
+        self.timeline.stats.launch(len(seqs), num_steps)
         return SimulatedRound(list(seqs), num_steps, [self.timeline.queue(len(seqs)) for _ in range(num_steps)])
 
     def shutdown(self) -> None:
-        pass
+        """The engine's end (the server's shutdown, in either frontend mode): write the stats."""
+        if os.environ.get(STATS_ENV_VAR):
+            _write_stats(self.timeline.stats, os.environ[STATS_ENV_VAR])
 
 
 def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US) -> None:
@@ -100,7 +159,42 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
     from nanovllm.engine import llm_engine
     timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
+    install.timeline = timeline
+    _time_engine_events()
     os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
+
+
+def _time_engine_events() -> None:
+    """Wrap (once) the methods whose calls the stats time: requests added, steps that finished
+    requests, commands the event loop queued in thread mode."""
+    from nanovllm.engine import async_llm, llm_engine
+    if getattr(llm_engine.LLMEngine.add_request, "timed", False):
+        return
+    add_request, step = llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step
+    submit = async_llm.EngineThread._submit
+
+    def timed_add_request(engine, *args, **kwargs):
+        install.timeline.stats.arrivals.append(round(time.perf_counter(), 4))
+        return add_request(engine, *args, **kwargs)
+
+    def timed_step(engine):
+        outputs = step(engine)
+        finished = sum(out.finished for out in outputs)
+        if finished:
+            install.timeline.stats.finishes.append((round(time.perf_counter(), 4), finished))
+        return outputs
+
+    def timed_submit(core, command):
+        install.timeline.stats.submits.append(round(time.perf_counter(), 4))
+        return submit(core, command)
+    timed_add_request.timed = True
+    llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step = timed_add_request, timed_step
+    async_llm.EngineThread._submit = timed_submit
+
+
+def _write_stats(stats: DeviceStats, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(stats.summary(), f)
 
 
 def main() -> None:

@@ -27,6 +27,25 @@ DEFAULT_BLOCK_SIZE = 16
 # batch), and a request added between `LLMEngine.step` calls may wait one round more, as the
 # next round is already launched (AsyncLLM holds chaining back while it has requests queued).
 DEFAULT_GPU_SCHEDULER_STEPS = 16
+# Adaptive rounds (Config.adaptive_rounds), for an engine served online: its slots change hands
+# while it runs (a stream ends, the client sends its next request), and a full-length round makes
+# both ends wait. Two rules, measured on the simulated device (benchmarks/RESULTS.md "B3: rounds
+# while requests arrive"):
+# - After a request arrives, while the batch has room (fewer than max_num_seqs), the next decode
+#   round runs ARRIVAL_ROUND_STEPS steps and each round after it doubles (1, 2, 4, 8, 16) up to
+#   num_scheduler_steps: a burst of arrivals (B3's wave of 64, sent as the previous 64 streams end)
+#   joins within a step or two instead of waiting out a 16-step round its first requests started
+#   alone; once arrivals stop, full-length rounds return within four rounds.
+# - A round ends where one of its sequences reaches max_tokens, if that is at least
+#   MIN_CLIPPED_ROUND_STEPS steps in: its stream ends then instead of a round later, and its slot
+#   can take the next arrival. (Without it the short rounds shift the requests of a closed loop
+#   off the round grid, and their last rows ran up to 15 steps past their end.) A round of one step
+#   is not clipped to: it runs synchronously (nothing can be chained onto it), so the device would
+#   wait for the host.
+# A full batch runs full-length rounds, and offline inference (LLM.generate: every request queued
+# before the first step) is not adaptive unless asked (LLMEngine.serve_online).
+ARRIVAL_ROUND_STEPS = 1
+MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
 # forward pass (engine/cpu_compile.py). vLLM's 1 and 2 (stock torch.compile, trace once) are
 # not offered; on the GPU the forward runs Triton kernels and CUDA graphs instead.
@@ -62,6 +81,10 @@ class Config:
     # (vLLM's async scheduling), so the device does not wait for the round boundary's host
     # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
+    # Shape multi-step rounds around arrivals and ends of requests (ARRIVAL_ROUND_STEPS above
+    # says how and why). None: on for an engine served online (the OpenAI server), off offline.
+    # False: full-length rounds always. Needs num_scheduler_steps > 1 when True.
+    adaptive_rounds: bool | None = None
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
     # Weight quantization method (layers/quantization's registry; vLLM's option). None: the
     # checkpoint's own `quantization_config`, or dense weights when it has none. A name
@@ -84,6 +107,8 @@ class Config:
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
                                                      or self.num_scheduler_steps < 1):
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
+        if self.adaptive_rounds is not None and not isinstance(self.adaptive_rounds, bool):
+            raise ValueError(f"adaptive_rounds must be a bool, got {self.adaptive_rounds!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:

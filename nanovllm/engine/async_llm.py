@@ -291,7 +291,7 @@ class EngineThread:
         self._replies: list[tuple[asyncio.Future, BaseException | None]] = []  # acceptances not yet sent
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         # requests and aborts queued here join at the next round boundary, not one round later
-        engine.requests_arriving = lambda: not self._commands.empty()
+        engine.serve_online(lambda: not self._commands.empty())
         self._throughput = ThroughputLog(log_stats_interval)
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run_engine_loop, name="nanovllm-engine", daemon=True)

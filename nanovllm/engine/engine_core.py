@@ -166,7 +166,7 @@ class EngineCoreProc:
         self.live_ids: set[str] = set()
         self.dead_error: str | None = None
         self.throughput = ThroughputLog(log_stats_interval)
-        engine.requests_arriving = lambda: not self.commands.empty()
+        engine.serve_online(lambda: not self.commands.empty())
         threading.Thread(target=self._read_commands, args=(cmd_conn,), name="nanovllm-engine-input",
                          daemon=True).start()
 

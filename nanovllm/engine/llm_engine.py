@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
 
-from nanovllm.config import DEFAULT_GPU_SCHEDULER_STEPS, Config
+from nanovllm.config import ARRIVAL_ROUND_STEPS, DEFAULT_GPU_SCHEDULER_STEPS, MIN_CLIPPED_ROUND_STEPS, Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.distributed import make_model_runner
 from nanovllm.engine.decode_round import DecodeRound
@@ -58,10 +58,15 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
+        self._check_adaptive_rounds()
+        # Rounds launched (prefill steps included) since the last request was added; None once
+        # the rounds have grown back to full length (config.ARRIVAL_ROUND_STEPS).
+        self._rounds_since_arrival: int | None = None
         self._next_round: DecodeRound | None = None  # launched ahead of the host (async scheduling)
-        # A caller that queues requests outside the engine (AsyncLLM) sets this: while it
-        # returns True no round is chained, so newcomers join at the next round boundary.
+        # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
+        # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
+        self.online = False   # requests arrive while the engine runs (adaptive rounds by default)
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -127,6 +132,20 @@ class LLMEngine:
             return self.num_scheduler_steps > 1 and resolve_device(self.config.device).type == "cuda"
         return wanted
 
+    def _check_adaptive_rounds(self) -> None:
+        if self.config.adaptive_rounds and self.num_scheduler_steps == 1:
+            how = "given" if self.config.num_scheduler_steps else "the default on this device and tensor_parallel_size"
+            raise ValueError("adaptive_rounds shapes multi-step decode rounds: it needs num_scheduler_steps > 1, "
+                             f"got 1 ({how})")
+
+    @property
+    def adaptive_rounds(self) -> bool:
+        """Whether rounds follow arrivals and ends of requests (config.ARRIVAL_ROUND_STEPS):
+        Config.adaptive_rounds, or by default whether the engine is served online."""
+        if self.num_scheduler_steps == 1:
+            return False
+        return self.online if self.config.adaptive_rounds is None else self.config.adaptive_rounds
+
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -161,7 +180,18 @@ class LLMEngine:
         for seq in seqs[1:]:
             self.scheduler.add(seq, prefill_parent=seqs[0])
         self.output_processor.add_request(request_id, prompt_text, seqs)
+        if self.adaptive_rounds:
+            self._rounds_since_arrival = 0   # short rounds again while the batch has room
         return request_id
+
+    def serve_online(self, requests_arriving: Callable[[], bool]) -> None:
+        """For a caller that adds requests while the engine runs (AsyncLLM, the engine process):
+        `requests_arriving` says whether it holds requests not added yet (no round is chained
+        past them); rounds adapt to arrivals and ends of requests unless Config.adaptive_rounds
+        is False (config.ARRIVAL_ROUND_STEPS). Offline callers (LLM.generate) queue everything
+        before stepping, and their rounds stay full-length by default."""
+        self.requests_arriving = requests_arriving
+        self.online = True
 
     def _new_request_id(self) -> str:
         request_id = str(next(self._request_counter))
@@ -294,6 +324,7 @@ class LLMEngine:
             self._wait_for_grammars()
             return []
         num_steps = self._decode_steps(seqs)
+        self._count_round()
         if num_steps > 1:
             return self._finish_round(self.model_runner.launch_decode_round(seqs, num_steps), start)
         num_decode = sum(1 for s in seqs if not s.is_prefilling)
@@ -362,6 +393,7 @@ class LLMEngine:
             return None
         for seq in seqs:
             seq.num_scheduled_tokens = 1
+        self._count_round()
         return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
 
     def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
@@ -375,7 +407,27 @@ class LLMEngine:
         """
         if self.num_scheduler_steps == 1:
             return 1
-        return self.scheduler.extend_decode(seqs, self.num_scheduler_steps, self.max_model_len, num_pending)
+        return self.scheduler.extend_decode(seqs, self._max_round_steps(seqs, num_pending), self.max_model_len,
+                                            num_pending)
+
+    def _max_round_steps(self, seqs: list[Sequence], num_pending: int) -> int:
+        """The most decode steps a round of `seqs` may run: num_scheduler_steps, or with adaptive
+        rounds fewer (config.ARRIVAL_ROUND_STEPS): while the rounds after an arrival grow back
+        and the batch has room, and up to where a sequence reaches max_tokens."""
+        steps = self.num_scheduler_steps
+        if not self.adaptive_rounds:
+            return steps
+        if self._rounds_since_arrival is not None and len(seqs) < self.config.max_num_seqs:
+            steps = min(steps, ARRIVAL_ROUND_STEPS << self._rounds_since_arrival)
+        to_length = min(s.sampling_params.max_tokens - s.num_completion_tokens for s in seqs) - num_pending
+        return to_length if MIN_CLIPPED_ROUND_STEPS <= to_length < steps else steps
+
+    def _count_round(self) -> None:
+        """One more round (or plain step) launched since the last arrival."""
+        if self._rounds_since_arrival is not None:
+            self._rounds_since_arrival += 1
+            if ARRIVAL_ROUND_STEPS << self._rounds_since_arrival >= self.num_scheduler_steps:
+                self._rounds_since_arrival = None
 
     def _postprocess(self, seqs: list[Sequence], output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Apply one step's sampled tokens; sequences that finished earlier in a multi-step

@@ -1,0 +1,178 @@
+"""Adaptive rounds (Config.adaptive_rounds; config.ARRIVAL_ROUND_STEPS says why).
+
+An engine served online (`LLMEngine.serve_online`: AsyncLLM, the engine process) starts short
+decode rounds after each request it adds while its batch has room, doubling each round up to
+num_scheduler_steps, so a request that comes a little later joins within a few steps instead of
+waiting out a full round; and it ends a round where one of its sequences reaches max_tokens.
+Offline inference (LLM.generate: everything queued before the first step) keeps its rounds, and
+a full batch runs full-length ones. The tiny Qwen3 model on the CPU, with explicit multi-step
+rounds.
+"""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.engine.async_llm import AsyncLLM
+from tiny_models import hf_greedy, random_prompts
+
+STEPS = 16  # config.DEFAULT_GPU_SCHEDULER_STEPS: the GPU's rounds
+PROMPTS = random_prompts([5, 17, 33, 9], seed=3)
+GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+RAMP = [2, 4, 8, STEPS]  # the decode rounds after an arrival's prefill step
+
+
+def _llm(path, adaptive_rounds=None, async_scheduling=False, max_num_seqs=8, num_scheduler_steps=STEPS) -> LLM:
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
+               num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling,
+               max_num_seqs=max_num_seqs, adaptive_rounds=adaptive_rounds)
+
+
+def _record_steps(monkeypatch, engine) -> list[int]:
+    """The steps of every launch from now on: a round's num_steps, 1 for a plain step."""
+    runner, steps = engine.model_runner, []
+    launch, run = runner.launch_decode_round, runner.run
+
+    def recording_launch(seqs, num_steps, after=None):
+        steps.append(num_steps)
+        return launch(seqs, num_steps, after=after)
+
+    def recording_run(seqs):
+        steps.append(1)
+        return run(seqs)
+    monkeypatch.setattr(runner, "launch_decode_round", recording_launch)
+    monkeypatch.setattr(runner, "run", recording_run)
+    return steps
+
+
+def _drain(engine, outputs: dict) -> None:
+    while engine.has_unfinished_requests():
+        _step(engine, outputs)
+
+
+def _step(engine, outputs: dict) -> None:
+    for out in engine.step():
+        outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offline_generate_runs_the_same_rounds(tiny_model, monkeypatch, async_scheduling):
+    """LLM.generate with a batch that has room (4 prompts, max_num_seqs 8): nothing arrives
+    while it runs, so by default its launches are those with adaptive rounds off: full-length
+    rounds, the last one past max_tokens."""
+    path, hf = tiny_model("qwen3")
+    launches = {}
+    for adaptive_rounds in (None, False):
+        llm = _llm(path, adaptive_rounds, async_scheduling)
+        assert not llm.llm_engine.adaptive_rounds
+        steps = _record_steps(monkeypatch, llm.llm_engine)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+        launches[adaptive_rounds] = steps
+    assert launches[None] == launches[False]
+    assert launches[None] == [1, STEPS, STEPS, STEPS, STEPS]  # the prefill step, then full rounds
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch, async_scheduling):
+    path, hf = tiny_model("qwen3")
+    engine = _llm(path, async_scheduling=async_scheduling).llm_engine
+    engine.serve_online(lambda: False)
+    assert engine.adaptive_rounds
+    steps = _record_steps(monkeypatch, engine)
+    outputs = {}
+    request = engine.add_request(None, PROMPTS[0], GREEDY)
+    _drain(engine, outputs)
+    # 60 tokens: the prefill step's, 2 + 4 + 8 + 16 + 16, and a last round that ends at max_tokens
+    assert steps == [1, *RAMP, STEPS, GREEDY.max_tokens - 1 - sum(RAMP) - STEPS]
+    assert outputs[request] == hf_greedy(hf, PROMPTS[0], GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_scheduling):
+    """The second request comes after the first one's first decode round: with the ramp it
+    gets its first token a few of the first one's tokens later; with full-length rounds only
+    after the first one's next full round (async scheduling: already launched when it comes)."""
+    path, hf = tiny_model("qwen3")
+    lead = {}
+    for adaptive_rounds in (None, False):
+        engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
+        engine.serve_online(lambda: False)
+        outputs = {}
+        first = engine.add_request(None, PROMPTS[0], GREEDY)
+        _step(engine, outputs)  # the prefill step
+        _step(engine, outputs)  # the first decode round
+        second = engine.add_request(None, PROMPTS[1], GREEDY)
+        while second not in outputs:
+            _step(engine, outputs)
+        lead[adaptive_rounds] = len(outputs[first])
+        _drain(engine, outputs)
+        assert outputs[first] == hf_greedy(hf, PROMPTS[0], GREEDY.max_tokens)
+        assert outputs[second] == hf_greedy(hf, PROMPTS[1], GREEDY.max_tokens)
+    # the prefill step, the first round, the round launched before the second came (async
+    # scheduling), and the step that prefills the second, in which the first decodes too
+    chained = RAMP[1] if async_scheduling else 0
+    assert lead[None] == 1 + RAMP[0] + chained + 1
+    assert lead[False] == 1 + STEPS + (STEPS if async_scheduling else 0) + 1
+
+
+def test_a_full_batch_runs_full_rounds_while_requests_arrive(tiny_model, monkeypatch):
+    path, _ = tiny_model("qwen3")
+    engine = _llm(path, max_num_seqs=2).llm_engine
+    engine.serve_online(lambda: False)
+    steps = _record_steps(monkeypatch, engine)
+    for prompt in PROMPTS[:2]:
+        engine.add_request(None, prompt, GREEDY)
+    _drain(engine, {})
+    assert steps[:3] == [1, STEPS, STEPS]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch, async_scheduling):
+    """Online, no round runs past a sequence's max_tokens unless only one step was left (a round
+    of one step is never clipped to); offline (adaptive rounds off) the last rounds overshoot."""
+    path, hf = tiny_model("qwen3")
+    max_tokens = [10, 23, 60]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    overshoots = {}
+    for adaptive_rounds in (None, False):
+        engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
+        engine.serve_online(lambda: False)
+        runner, launch, overshoot = engine.model_runner, engine.model_runner.launch_decode_round, []
+
+        def recording_launch(seqs, num_steps, after=None, launch=launch, overshoot=overshoot):
+            pending = 0 if after is None else 1
+            left = min(s.sampling_params.max_tokens - s.num_completion_tokens - pending for s in seqs)
+            overshoot.append(num_steps > left >= 2)
+            return launch(seqs, num_steps, after=after)
+        monkeypatch.setattr(runner, "launch_decode_round", recording_launch)
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(PROMPTS, params)]
+        outputs = {}
+        _drain(engine, outputs)
+        for request_id, prompt, m in zip(ids, PROMPTS, max_tokens):
+            assert outputs[request_id] == hf_greedy(hf, prompt, m)
+        overshoots[adaptive_rounds] = any(overshoot)
+    assert overshoots == {None: False, False: True}
+
+
+def test_the_server_engine_adapts_its_rounds(tiny_model):
+    path, _ = tiny_model("qwen3")
+    engine = _llm(path).llm_engine
+    assert not engine.adaptive_rounds
+    async_llm = AsyncLLM.from_engine(engine)
+    try:
+        assert engine.online and engine.adaptive_rounds
+    finally:
+        async_llm.shutdown()
+
+
+@pytest.mark.parametrize("value", [0, 1, "yes"])
+def test_adaptive_rounds_is_checked(value):
+    with pytest.raises(ValueError, match="adaptive_rounds"):
+        Config(model="m", adaptive_rounds=value)
+
+
+def test_adaptive_rounds_need_multi_step_rounds(tiny_model):
+    path, _ = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="adaptive_rounds .*num_scheduler_steps > 1"):
+        _llm(path, adaptive_rounds=True, num_scheduler_steps=1)
+    assert not _llm(path, num_scheduler_steps=1).llm_engine.adaptive_rounds
