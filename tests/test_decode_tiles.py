@@ -113,7 +113,6 @@ CASES = {
     "decode_split3": ([(0, 1), (69, 1), (149, 1)], 8, 2, 64, 16, dict(max_seqlen_q=1, num_splits=3)),
     "decode_gqa3_d40": ([(0, 1), (63, 1), (64, 1), (200, 1)], 6, 2, 40, 16, dict(max_seqlen_q=1)),
     "decode_gqa2_split2": ([(0, 1), (40, 1), (150, 1)], 4, 2, 64, 16, dict(max_seqlen_q=1, num_splits=2)),
-    "decode_gqa6_split2": ([(0, 1), (33, 1), (95, 1)], 12, 2, 32, 16, dict(max_seqlen_q=1, num_splits=2)),
 }
 # name -> (triton_attn constants, K layout, V layout, cases)
 # (the tensor-core tile's variants turn the CUDA-core kernel, an fp8 cache's default, off)
@@ -130,10 +129,6 @@ VARIANTS = {
                    ["decode_split3", "decode_gqa3_d40"]),
     "fma_w2_key_minor": (dict(DECODE_FMA_FP8=True, DECODE_FMA_BLOCK_N=16, DECODE_FMA_NUM_WARPS=2,
                               DECODE_FMA_MAX_GROUP=8), "heads_major", "key_minor", ["decode_split3"]),
-    # four query heads a program: a group of 4 in one program, a group of 6 in two (the second's last two
-    # heads outside the group)
-    "fma_heads4": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_MAX_GROUP=8, DECODE_FMA_HEADS=4),
-                   "plain", "plain", ["decode_split3", "decode_gqa6_split2"]),
     "fma_pv16": (dict(DECODE_FMA_FP8=True, DECODE_FMA_PV_FP16=True), "plain", "plain", ["decode_gqa2_split2"]),
     # P V summed over all keys each tile (one partial sum), the loop's loads not pipelined (one stage)
     "fma_rows1": (dict(DECODE_FMA_FP8=True, DECODE_FMA_16BIT=True, DECODE_FMA_ACC_ROWS=1), "plain", "plain",

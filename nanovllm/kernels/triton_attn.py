@@ -217,9 +217,6 @@ DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed 
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
 # 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
 DECODE_FMA_MAX_GROUP = 2
-# Query heads one program of the CUDA-core kernel computes, for groups that have at least as many
-# (triton_decode_fma.PROGRAM_HEADS: 2 or 4); smaller groups take 2.
-DECODE_FMA_HEADS = 2
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -794,10 +791,9 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
     qpk = num_heads // num_kv_heads
-    heads = _fma_program_heads(qpk)
-    groups = triton.cdiv(qpk, heads)
+    pairs = triton.cdiv(qpk, triton_decode_fma.HEADS_PER_PROGRAM.value)
     if num_splits is None:
-        num_splits = _choose_num_splits(num_seqs * num_kv_heads * groups, max_seqlen_k, q.device,
+        num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device,
                                         DECODE_FMA_PROGRAMS_PER_SM)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
@@ -805,10 +801,10 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     acc_rows = 1 if pv_fp16 or DECODE_FMA_ACC_2D else DECODE_FMA_ACC_ROWS
     assert acc_rows & (acc_rows - 1) == 0 and DECODE_FMA_BLOCK_N % acc_rows == 0, \
         "the partial sums are a power of two that divides the tile's rows (tl.reshape)"
-    triton_decode_fma.decode_fma_kernel[(num_kv_heads * groups * num_splits, num_seqs)](
+    triton_decode_fma.decode_fma_kernel[(num_kv_heads * pairs * num_splits, num_seqs)](
         *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                       scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
-        QPK=qpk, HEADS=heads, BLOCK_N=DECODE_FMA_BLOCK_N,
+        QPK=qpk, BLOCK_N=DECODE_FMA_BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
         PV_FP16=pv_fp16, LOOP_STAGES=DECODE_FMA_NUM_STAGES, ACC_ROWS=acc_rows,
@@ -817,13 +813,6 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
-
-
-def _fma_program_heads(qpk: int) -> int:
-    """Query heads a program of `triton_decode_fma` computes: DECODE_FMA_HEADS where the group has
-    that many, else 2."""
-    assert DECODE_FMA_HEADS in triton_decode_fma.PROGRAM_HEADS, DECODE_FMA_HEADS
-    return DECODE_FMA_HEADS if qpk >= DECODE_FMA_HEADS else min(triton_decode_fma.PROGRAM_HEADS)
 
 
 def _combine(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, num_splits: int,

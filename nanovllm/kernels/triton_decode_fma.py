@@ -33,10 +33,9 @@ from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 # Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
-# Query heads one program computes (its constexpr HEADS: 2 or 4, triton_attn.DECODE_FMA_HEADS), each with
-# its own scalar softmax state and accumulator, written out per head (Triton has no per-row loop over
-# a tile, so the heads are spelled out).
-PROGRAM_HEADS = (2, 4)
+# Query heads one program computes, each with its own scalar softmax state and [D] (or
+# [BLOCK_N, D]) accumulator, written out per head (Triton has no per-row loop over a tile).
+HEADS_PER_PROGRAM = tl.constexpr(2)
 
 
 @triton.jit
@@ -68,36 +67,29 @@ def _weigh_values(acc, p, alpha, v, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
 
 
 @triton.jit
-def _attend_tile(acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
+def _attend_tile(acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head,
                  k_cache_ptr, v_cache_ptr, block_table_ptr,
                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                 HEADS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, ACC_2D: tl.constexpr,
                  PV_FP16: tl.constexpr, ACC_ROWS: tl.constexpr):
-    """One online-softmax step of the program's HEADS (2 or 4) query heads over KV tile `tile`.
-    q0..q3 [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`; with HEADS = 2,
-    heads 2 and 3 pass through untouched. Written per head on 2-D tiles only: the scores come out in
-    the layout of the tile's rows, which is the layout p needs against V, so no tile changes layout
-    (a [heads, keys, D] broadcast did, through shared memory, and ran at a third of the copy
-    bandwidth)."""
+    """One online-softmax step of the program's two query heads over KV tile `tile`.
+    q0, q1 [D] fp32 (softmax scale in them); m, l scalars; acc as `_weigh_values`. Written per
+    head on 2-D tiles only: the scores come out in the layout of the tile's rows, which is the
+    layout p needs against V, so no tile changes layout (a [heads, keys, D] broadcast did, through
+    shared memory, and ran at a third of the copy bandwidth)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                     # [BLOCK_N]
     k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED).to(tl.float32)                     # [BLOCK_N, D]
     p0, alpha0, m0, l0 = _softmax_step(tl.sum(k * q0[None, :], 1), m0, l0, positions, ctx_len, MASKED)
     p1, alpha1, m1, l1 = _softmax_step(tl.sum(k * q1[None, :], 1), m1, l1, positions, ctx_len, MASKED)
-    if HEADS > 2:
-        p2, alpha2, m2, l2 = _softmax_step(tl.sum(k * q2[None, :], 1), m2, l2, positions, ctx_len, MASKED)
-        p3, alpha3, m3, l3 = _softmax_step(tl.sum(k * q3[None, :], 1), m3, l3, positions, ctx_len, MASKED)
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED).to(tl.float16 if PV_FP16 else tl.float32)  # [BLOCK_N, D]
     acc0 = _weigh_values(acc0, p0, alpha0, v, ACC_2D, PV_FP16, ACC_ROWS)
     acc1 = _weigh_values(acc1, p1, alpha1, v, ACC_2D, PV_FP16, ACC_ROWS)
-    if HEADS > 2:
-        acc2 = _weigh_values(acc2, p2, alpha2, v, ACC_2D, PV_FP16, ACC_ROWS)
-        acc3 = _weigh_values(acc3, p3, alpha3, v, ACC_2D, PV_FP16, ACC_ROWS)
-    return acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3
+    return acc0, acc1, m0, m1, l0, l1
 
 
 @triton.jit
@@ -121,17 +113,6 @@ def _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, v_scale, tok
 
 
 @triton.jit
-def _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, v_scale, token, head, head_end, split,
-                 stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, SUM_ROWS: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """Sum a head's partial rows (SUM_ROWS: acc [rows, D]) and store it as `_store_head`."""
-    if SUM_ROWS:
-        acc = tl.sum(acc, 0)
-    _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, v_scale, token, head, head_end, split,
-                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
-
-
-@triton.jit
 def _load_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2,
             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """One query head's query in fp32 times the softmax scale (zeros for a head at or past
@@ -151,19 +132,21 @@ def decode_fma_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
-        QPK: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+        QPK: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
         LOOP_STAGES: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """Grid: (KV heads x head groups x splits, sequences). One program: one sequence's HEADS (2 or
-    4) query heads of one KV head over one split of its context; a group of more query heads than
-    HEADS reads its K/V once per HEADS heads."""
+    """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
+    query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
+    more than two query heads reads its K/V once per pair (for groups of 4, B1 on the Qwen3-8B
+    shape ran slower than with the tensor-core tile: triton_attn.DECODE_FMA_MAX_GROUP; so did one
+    program of four heads, at 255 registers: RESULTS.md "Fourteenth session")."""
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
-    groups = tl.cdiv(QPK, HEADS)
+    pairs = tl.cdiv(QPK, HEADS_PER_PROGRAM)
     seq = tl.program_id(1)
-    kv_head = tl.program_id(0) // (groups * num_splits)
-    group = tl.program_id(0) // num_splits % groups
+    kv_head = tl.program_id(0) // (pairs * num_splits)
+    pair = tl.program_id(0) // num_splits % pairs
     split = tl.program_id(0) % num_splits
     token = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) == token:  # no query this step
@@ -173,51 +156,39 @@ def decode_fma_kernel(
     if KV_FP8:  # the KV head's key scale joins the softmax scale, its value scale the output
         scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
-    head0 = kv_head * QPK + group * HEADS
-    head_end = (kv_head + 1) * QPK  # the KV head's query heads are below it (head0 always)
+    head0 = kv_head * QPK + pair * HEADS_PER_PROGRAM
+    head_end = (kv_head + 1) * QPK  # the group's heads are below it (head0 always; head0 + 1 if QPK > 1)
     q0 = _load_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
     q1 = _load_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
-    if HEADS > 2:
-        q2 = _load_q(q_ptr, token, head0 + 2, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
-        q3 = _load_q(q_ptr, token, head0 + 3, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
-    else:  # placeholders, never used
-        q2 = q0
-        q3 = q0
 
     # one query at the context's end: it sees every key, so only the last tile is masked
     tile_begin, full_end, masked_begin, tile_end = split_tile_range(ctx_len, ctx_len, split, num_splits, BLOCK_N)
     m0 = tl.full((), RUNNING_MAX_INIT, dtype=tl.float32)
+    m1 = m0
     l0 = tl.zeros((), dtype=tl.float32)
+    l1 = l0
     if ACC_2D:
         acc0 = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     elif ACC_ROWS > 1:
         acc0 = tl.zeros([ACC_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     else:
         acc0 = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    m1, m2, m3, l1, l2, l3, acc1, acc2, acc3 = m0, m0, m0, l0, l0, l0, acc0, acc0, acc0
+    acc1 = acc0
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in tl.range(tile_begin, full_end, num_stages=LOOP_STAGES):  # loads LOOP_STAGES - 1 tiles ahead
-        acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3 = _attend_tile(
-            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
-            k_cache_ptr, v_cache_ptr, block_table_ptr,
-            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            HEADS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16, ACC_ROWS)
+        acc0, acc1, m0, m1, l0, l1 = _attend_tile(
+            acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, False, ACC_2D, PV_FP16, ACC_ROWS)
     for tile in range(masked_begin, tile_end):
-        acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3 = _attend_tile(
-            acc0, acc1, acc2, acc3, m0, m1, m2, m3, l0, l1, l2, l3, q0, q1, q2, q3, tile, ctx_len, kv_head,
-            k_cache_ptr, v_cache_ptr, block_table_ptr,
-            stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-            HEADS, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16, ACC_ROWS)
-    _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc0, m0, l0, v_scale, token, head0, head_end, split,
-                 stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
-                 ACC_2D or ACC_ROWS > 1, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
-    _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc1, m1, l1, v_scale, token, head0 + 1, head_end, split,
-                 stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
-                 ACC_2D or ACC_ROWS > 1, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
-    if HEADS > 2:
-        _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc2, m2, l2, v_scale, token, head0 + 2, head_end,
-                     split, stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
-                     ACC_2D or ACC_ROWS > 1, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
-        _finish_head(out_ptr, part_out_ptr, part_lse_ptr, acc3, m3, l3, v_scale, token, head0 + 3, head_end,
-                     split, stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh,
-                     ACC_2D or ACC_ROWS > 1, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
+        acc0, acc1, m0, m1, l0, l1 = _attend_tile(
+            acc0, acc1, m0, m1, l0, l1, q0, q1, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
+            block_table_ptr, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+            BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, True, ACC_2D, PV_FP16, ACC_ROWS)
+    if ACC_2D or ACC_ROWS > 1:
+        acc0 = tl.sum(acc0, 0)
+        acc1 = tl.sum(acc1, 0)
+    _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc0, m0, l0, v_scale, token, head0, head_end, split,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
+    _store_head(out_ptr, part_out_ptr, part_lse_ptr, acc1, m1, l1, v_scale, token, head0 + 1, head_end, split,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, HEAD_DIM, HEAD_DIM_PAD, IS_SPLIT)
