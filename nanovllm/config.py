@@ -42,8 +42,10 @@ DEFAULT_GPU_SCHEDULER_STEPS = 16
 #   off the round grid, and their last rows ran up to 15 steps past their end.) A round of one step
 #   is not clipped to: it runs synchronously (nothing can be chained onto it), so the device would
 #   wait for the host.
-# A full batch runs full-length rounds, and offline inference (LLM.generate: every request queued
-# before the first step) is not adaptive unless asked (LLMEngine.serve_online).
+# A full batch runs full-length rounds. Off by default: on the H200, B3 (64 streams of 256 tokens)
+# served 27,559 and 25,096 tok/s with them against 26,681 and 27,494 without, alternating in one call
+# (RESULTS.md "Twenty-first session"): no gain shown there, and under steady arrivals that never fill
+# the batch every arrival would restart the short rounds and pay their host cost.
 ARRIVAL_ROUND_STEPS = 1
 MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
@@ -82,9 +84,8 @@ class Config:
     # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
     # Shape multi-step rounds around arrivals and ends of requests (ARRIVAL_ROUND_STEPS above
-    # says how and why). None: on for an engine served online (the OpenAI server), off offline.
-    # False: full-length rounds always. Needs num_scheduler_steps > 1 when True.
-    adaptive_rounds: bool | None = None
+    # says how, why, and why it is off by default). Needs num_scheduler_steps > 1.
+    adaptive_rounds: bool = False
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
     # Weight quantization method (layers/quantization's registry; vLLM's option). None: the
     # checkpoint's own `quantization_config`, or dense weights when it has none. A name
@@ -107,7 +108,7 @@ class Config:
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
                                                      or self.num_scheduler_steps < 1):
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
-        if self.adaptive_rounds is not None and not isinstance(self.adaptive_rounds, bool):
+        if not isinstance(self.adaptive_rounds, bool):
             raise ValueError(f"adaptive_rounds must be a bool, got {self.adaptive_rounds!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")

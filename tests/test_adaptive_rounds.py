@@ -1,18 +1,18 @@
 """Adaptive rounds (Config.adaptive_rounds; config.ARRIVAL_ROUND_STEPS says why).
 
-An engine served online (`LLMEngine.serve_online`: AsyncLLM, the engine process) starts short
-decode rounds after each request it adds while its batch has room, doubling each round up to
-num_scheduler_steps, so a request that comes a little later joins within a few steps instead of
-waiting out a full round; and it ends a round where one of its sequences reaches max_tokens.
-Offline inference (LLM.generate: everything queued before the first step) keeps its rounds, and
-a full batch runs full-length ones. The tiny Qwen3 model on the CPU, with explicit multi-step
+With adaptive_rounds (off by default) an engine starts short decode rounds after each request it
+adds while its batch has room, doubling each round up to num_scheduler_steps, so a request that
+comes a little later joins within a few steps instead of waiting out a full round; and it ends a
+round where one of its sequences reaches max_tokens. A full batch runs full-length rounds; by
+default every round is full-length. The tiny Qwen3 model on the CPU, with explicit multi-step
 rounds.
 """
+import argparse
+
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
-from nanovllm.engine.async_llm import AsyncLLM
 from tiny_models import hf_greedy, random_prompts
 
 STEPS = 16  # config.DEFAULT_GPU_SCHEDULER_STEPS: the GPU's rounds
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 RAMP = [2, 4, 8, STEPS]  # the decode rounds after an arrival's prefill step
 
 
-def _llm(path, adaptive_rounds=None, async_scheduling=False, max_num_seqs=8, num_scheduler_steps=STEPS) -> LLM:
+def _llm(path, adaptive_rounds=True, async_scheduling=False, max_num_seqs=8, num_scheduler_steps=STEPS) -> LLM:
     return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
                num_scheduler_steps=num_scheduler_steps, async_scheduling=async_scheduling,
                max_num_seqs=max_num_seqs, adaptive_rounds=adaptive_rounds)
@@ -55,21 +55,17 @@ def _step(engine, outputs: dict) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_offline_generate_runs_the_same_rounds(tiny_model, monkeypatch, async_scheduling):
-    """LLM.generate with a batch that has room (4 prompts, max_num_seqs 8): nothing arrives
-    while it runs, so by default its launches are those with adaptive rounds off: full-length
-    rounds, the last one past max_tokens."""
+def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_scheduling):
+    """LLM.generate with a batch that has room (4 prompts, max_num_seqs 8), adaptive rounds at
+    their default (off): full-length rounds, the last one past max_tokens."""
     path, hf = tiny_model("qwen3")
-    launches = {}
-    for adaptive_rounds in (None, False):
-        llm = _llm(path, adaptive_rounds, async_scheduling)
-        assert not llm.llm_engine.adaptive_rounds
-        steps = _record_steps(monkeypatch, llm.llm_engine)
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-        launches[adaptive_rounds] = steps
-    assert launches[None] == launches[False]
-    assert launches[None] == [1, STEPS, STEPS, STEPS, STEPS]  # the prefill step, then full rounds
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
+              async_scheduling=async_scheduling, max_num_seqs=8)
+    assert not llm.llm_engine.adaptive_rounds
+    steps = _record_steps(monkeypatch, llm.llm_engine)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert steps == [1, STEPS, STEPS, STEPS, STEPS]  # the prefill step, then full rounds
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -94,7 +90,7 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
     after the first one's next full round (async scheduling: already launched when it comes)."""
     path, hf = tiny_model("qwen3")
     lead = {}
-    for adaptive_rounds in (None, False):
+    for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
         engine.serve_online(lambda: False)
         outputs = {}
@@ -111,7 +107,7 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
     # the prefill step, the first round, the round launched before the second came (async
     # scheduling), and the step that prefills the second, in which the first decodes too
     chained = RAMP[1] if async_scheduling else 0
-    assert lead[None] == 1 + RAMP[0] + chained + 1
+    assert lead[True] == 1 + RAMP[0] + chained + 1
     assert lead[False] == 1 + STEPS + (STEPS if async_scheduling else 0) + 1
 
 
@@ -134,7 +130,7 @@ def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch,
     max_tokens = [10, 23, 60]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     overshoots = {}
-    for adaptive_rounds in (None, False):
+    for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
         engine.serve_online(lambda: False)
         runner, launch, overshoot = engine.model_runner, engine.model_runner.launch_decode_round, []
@@ -151,21 +147,18 @@ def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch,
         for request_id, prompt, m in zip(ids, PROMPTS, max_tokens):
             assert outputs[request_id] == hf_greedy(hf, prompt, m)
         overshoots[adaptive_rounds] = any(overshoot)
-    assert overshoots == {None: False, False: True}
+    assert overshoots == {True: False, False: True}
 
 
-def test_the_server_engine_adapts_its_rounds(tiny_model):
-    path, _ = tiny_model("qwen3")
-    engine = _llm(path).llm_engine
-    assert not engine.adaptive_rounds
-    async_llm = AsyncLLM.from_engine(engine)
-    try:
-        assert engine.online and engine.adaptive_rounds
-    finally:
-        async_llm.shutdown()
+def test_the_server_flag_turns_adaptive_rounds_on():
+    from nanovllm.entrypoints.engine_args import engine_kwargs
+    from nanovllm.entrypoints.openai.api_server import add_cli_args
+    parse = lambda argv: add_cli_args(argparse.ArgumentParser()).parse_args(argv)  # noqa: E731
+    assert engine_kwargs(parse(["m", "--adaptive-rounds"]))["adaptive_rounds"] is True
+    assert "adaptive_rounds" not in engine_kwargs(parse(["m"]))  # Config's default: off
 
 
-@pytest.mark.parametrize("value", [0, 1, "yes"])
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
 def test_adaptive_rounds_is_checked(value):
     with pytest.raises(ValueError, match="adaptive_rounds"):
         Config(model="m", adaptive_rounds=value)
@@ -175,4 +168,4 @@ def test_adaptive_rounds_need_multi_step_rounds(tiny_model):
     path, _ = tiny_model("qwen3")
     with pytest.raises(ValueError, match="adaptive_rounds .*num_scheduler_steps > 1"):
         _llm(path, adaptive_rounds=True, num_scheduler_steps=1)
-    assert not _llm(path, num_scheduler_steps=1).llm_engine.adaptive_rounds
+    assert not _llm(path, adaptive_rounds=False, num_scheduler_steps=1).llm_engine.adaptive_rounds

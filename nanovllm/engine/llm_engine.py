@@ -66,7 +66,6 @@ class LLMEngine:
         # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
         # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
-        self.online = False   # requests arrive while the engine runs (adaptive rounds by default)
         self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
@@ -140,11 +139,9 @@ class LLMEngine:
 
     @property
     def adaptive_rounds(self) -> bool:
-        """Whether rounds follow arrivals and ends of requests (config.ARRIVAL_ROUND_STEPS):
-        Config.adaptive_rounds, or by default whether the engine is served online."""
-        if self.num_scheduler_steps == 1:
-            return False
-        return self.online if self.config.adaptive_rounds is None else self.config.adaptive_rounds
+        """Whether rounds follow arrivals and ends of requests (Config.adaptive_rounds,
+        config.ARRIVAL_ROUND_STEPS)."""
+        return self.config.adaptive_rounds and self.num_scheduler_steps > 1
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -187,11 +184,8 @@ class LLMEngine:
     def serve_online(self, requests_arriving: Callable[[], bool]) -> None:
         """For a caller that adds requests while the engine runs (AsyncLLM, the engine process):
         `requests_arriving` says whether it holds requests not added yet (no round is chained
-        past them); rounds adapt to arrivals and ends of requests unless Config.adaptive_rounds
-        is False (config.ARRIVAL_ROUND_STEPS). Offline callers (LLM.generate) queue everything
-        before stepping, and their rounds stay full-length by default."""
+        past them)."""
         self.requests_arriving = requests_arriving
-        self.online = True
 
     def _new_request_id(self) -> str:
         request_id = str(next(self._request_counter))
