@@ -150,6 +150,27 @@ def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch,
     assert overshoots == {True: False, False: True}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_waiting_request_takes_the_slot_a_clipped_round_frees(tiny_model, async_scheduling):
+    """A full batch (max_num_seqs 2) with a third request waiting: the round ends where the
+    first sequence reaches max_tokens, and the waiting request is prefilled in the step right
+    after it, in which the other sequence decodes too. With async scheduling no round may be
+    chained past that end (the outstanding token frees the slot)."""
+    path, hf = tiny_model("qwen3")
+    engine = _llm(path, async_scheduling=async_scheduling, max_num_seqs=2).llm_engine
+    max_tokens = [40, 60, 20]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    first, other, waiting = [engine.add_request(None, p, sp) for p, sp in zip(PROMPTS, params)]
+    outputs = {}
+    while waiting not in outputs:
+        _step(engine, outputs)
+    assert len(outputs[first]) == max_tokens[0]
+    assert len(outputs[other]) == max_tokens[0] + 1
+    _drain(engine, outputs)
+    for request_id, prompt, m in zip((first, other, waiting), PROMPTS, max_tokens):
+        assert outputs[request_id] == hf_greedy(hf, prompt, m)
+
+
 def test_the_server_flag_turns_adaptive_rounds_on():
     from nanovllm.entrypoints.engine_args import engine_kwargs
     from nanovllm.entrypoints.openai.api_server import add_cli_args

@@ -374,13 +374,13 @@ class LLMEngine:
         None when the next round needs the scheduler (newcomers that could join, a running sequence
         outside this round, too few free blocks, one-step rounds)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
-        if (self.scheduler.can_admit() or self.requests_arriving()
-                or any(s.seq_id not in in_round for s in self.scheduler.running)):
+        if self.requests_arriving() or any(s.seq_id not in in_round for s in self.scheduler.running):
             return None
-        # sequences that the outstanding token ends for sure are left out; a stop token or
-        # string ends others only once seen, and their rows in the next round are dropped
+        # sequences that the outstanding token ends for sure are left out, and a waiting sequence
+        # takes the slot of one (a round clipped to max_tokens ends there); a stop token or string
+        # ends others only once seen, and their rows in the next round are dropped
         seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
-        if not seqs:
+        if not seqs or self.scheduler.can_admit(num_leaving=len(self.scheduler.running) - len(seqs)):
             return None
         num_steps = self._decode_steps(seqs, num_pending=1)
         if num_steps == 1:
