@@ -72,7 +72,6 @@ def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_schedu
 def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch, async_scheduling):
     path, hf = tiny_model("qwen3")
     engine = _llm(path, async_scheduling=async_scheduling).llm_engine
-    engine.serve_online(lambda: False)
     assert engine.adaptive_rounds
     steps = _record_steps(monkeypatch, engine)
     outputs = {}
@@ -92,7 +91,6 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
     lead = {}
     for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
-        engine.serve_online(lambda: False)
         outputs = {}
         first = engine.add_request(None, PROMPTS[0], GREEDY)
         _step(engine, outputs)  # the prefill step
@@ -114,7 +112,6 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
 def test_a_full_batch_runs_full_rounds_while_requests_arrive(tiny_model, monkeypatch):
     path, _ = tiny_model("qwen3")
     engine = _llm(path, max_num_seqs=2).llm_engine
-    engine.serve_online(lambda: False)
     steps = _record_steps(monkeypatch, engine)
     for prompt in PROMPTS[:2]:
         engine.add_request(None, prompt, GREEDY)
@@ -124,15 +121,14 @@ def test_a_full_batch_runs_full_rounds_while_requests_arrive(tiny_model, monkeyp
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch, async_scheduling):
-    """Online, no round runs past a sequence's max_tokens unless only one step was left (a round
-    of one step is never clipped to); offline (adaptive rounds off) the last rounds overshoot."""
+    """With adaptive rounds no round runs past a sequence's max_tokens unless only one step was
+    left (a round of one step is never clipped to); without them the last rounds overshoot."""
     path, hf = tiny_model("qwen3")
     max_tokens = [10, 23, 60]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     overshoots = {}
     for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
-        engine.serve_online(lambda: False)
         runner, launch, overshoot = engine.model_runner, engine.model_runner.launch_decode_round, []
 
         def recording_launch(seqs, num_steps, after=None, launch=launch, overshoot=overshoot):
