@@ -83,6 +83,22 @@ def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch,
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_round_is_not_clipped_to_one_step(tiny_model, monkeypatch, async_scheduling):
+    """One token left at a round's start (config.MIN_CLIPPED_ROUND_STEPS): a full round, whose
+    rows past max_tokens are dropped, not a one-step round the device would wait out."""
+    path, hf = tiny_model("qwen3")
+    engine = _llm(path, async_scheduling=async_scheduling).llm_engine
+    steps = _record_steps(monkeypatch, engine)
+    max_tokens = 1 + sum(RAMP) + STEPS + 1   # the prefill step's token, the ramp, a full round, one more
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = {}
+    request = engine.add_request(None, PROMPTS[0], params)
+    _drain(engine, outputs)
+    assert steps == [1, *RAMP, STEPS, STEPS]
+    assert outputs[request] == hf_greedy(hf, PROMPTS[0], max_tokens)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_scheduling):
     """The second request comes after the first one's first decode round: with the ramp it
     gets its first token a few of the first one's tokens later; with full-length rounds only
