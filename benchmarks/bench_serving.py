@@ -323,6 +323,8 @@ def main() -> None:
                         help="with --simulate-step-ms: write the simulated device's timed events (launches, "
                              "requests added, submitted and finished, idle gaps) there as JSON (sim_timeline.py prints it)")
     args = parser.parse_args()
+    if args.sim_timeline and (args.simulate_step_ms is None or args.url):
+        parser.error("--sim-timeline needs --simulate-step-ms and a server started here (no --url)")
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)

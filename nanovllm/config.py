@@ -31,9 +31,10 @@ DEFAULT_GPU_SCHEDULER_STEPS = 16
 # while it runs (a stream ends, the client sends its next request), and a full-length round makes
 # both ends wait. Two rules, measured on the simulated device (benchmarks/RESULTS.md "B3: rounds
 # while requests arrive"):
-# - After a request arrives, while the batch has room (fewer than max_num_seqs), the next decode
-#   round runs ARRIVAL_ROUND_STEPS steps and each round after it doubles (1, 2, 4, 8, 16) up to
-#   num_scheduler_steps: a burst of arrivals (B3's wave of 64, sent as the previous 64 streams end)
+# - After a request arrives, while the batch has room (fewer than max_num_seqs), the next round
+#   runs at most ARRIVAL_ROUND_STEPS steps and each round after it doubles (1, 2, 4, 8, 16) up to
+#   num_scheduler_steps; steps that prefill count as rounds, so where the next round is the
+#   arrival's prefill step the decode rounds after it run 2, 4, 8, 16: a burst of arrivals (B3's wave of 64, sent as the previous 64 streams end)
 #   joins within a step or two instead of waiting out a 16-step round its first requests started
 #   alone; once arrivals stop, full-length rounds return within four rounds.
 # - A round ends where one of its sequences reaches max_tokens, if that is at least
@@ -41,7 +42,8 @@ DEFAULT_GPU_SCHEDULER_STEPS = 16
 #   can take the next arrival. (Without it the short rounds shift the requests of a closed loop
 #   off the round grid, and their last rows ran up to 15 steps past their end.) A round of one step
 #   is not clipped to: it runs synchronously (nothing can be chained onto it), so the device would
-#   wait for the host.
+#   wait for the host. A round is not chained past that end while a request waits (it takes the
+#   slot).
 # A full batch runs full-length rounds. Off by default: on the H200, B3 (64 streams of 256 tokens)
 # served 27,559 and 25,096 tok/s with them against 26,681 and 27,494 without, alternating in one call
 # (RESULTS.md "Twenty-first session"): no gain shown there, and under steady arrivals that never fill

@@ -72,7 +72,6 @@ def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_schedu
 def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch, async_scheduling):
     path, hf = tiny_model("qwen3")
     engine = _llm(path, async_scheduling=async_scheduling).llm_engine
-    engine.serve_online(lambda: False)
     assert engine.adaptive_rounds
     steps = _record_steps(monkeypatch, engine)
     outputs = {}
@@ -84,6 +83,22 @@ def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch,
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_round_is_not_clipped_to_one_step(tiny_model, monkeypatch, async_scheduling):
+    """One token left at a round's start (config.MIN_CLIPPED_ROUND_STEPS): a full round, whose
+    rows past max_tokens are dropped, not a one-step round the device would wait out."""
+    path, hf = tiny_model("qwen3")
+    engine = _llm(path, async_scheduling=async_scheduling).llm_engine
+    steps = _record_steps(monkeypatch, engine)
+    max_tokens = 1 + sum(RAMP) + STEPS + 1   # the prefill step's token, the ramp, a full round, one more
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = {}
+    request = engine.add_request(None, PROMPTS[0], params)
+    _drain(engine, outputs)
+    assert steps == [1, *RAMP, STEPS, STEPS]
+    assert outputs[request] == hf_greedy(hf, PROMPTS[0], max_tokens)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_scheduling):
     """The second request comes after the first one's first decode round: with the ramp it
     gets its first token a few of the first one's tokens later; with full-length rounds only
@@ -92,7 +107,6 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
     lead = {}
     for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
-        engine.serve_online(lambda: False)
         outputs = {}
         first = engine.add_request(None, PROMPTS[0], GREEDY)
         _step(engine, outputs)  # the prefill step
@@ -114,7 +128,6 @@ def test_a_request_added_while_rounds_run_joins_sooner(tiny_model, async_schedul
 def test_a_full_batch_runs_full_rounds_while_requests_arrive(tiny_model, monkeypatch):
     path, _ = tiny_model("qwen3")
     engine = _llm(path, max_num_seqs=2).llm_engine
-    engine.serve_online(lambda: False)
     steps = _record_steps(monkeypatch, engine)
     for prompt in PROMPTS[:2]:
         engine.add_request(None, prompt, GREEDY)
@@ -124,15 +137,14 @@ def test_a_full_batch_runs_full_rounds_while_requests_arrive(tiny_model, monkeyp
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch, async_scheduling):
-    """Online, no round runs past a sequence's max_tokens unless only one step was left (a round
-    of one step is never clipped to); offline (adaptive rounds off) the last rounds overshoot."""
+    """With adaptive rounds no round runs past a sequence's max_tokens unless only one step was
+    left (a round of one step is never clipped to); without them the last rounds overshoot."""
     path, hf = tiny_model("qwen3")
     max_tokens = [10, 23, 60]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     overshoots = {}
     for adaptive_rounds in (True, False):
         engine = _llm(path, adaptive_rounds, async_scheduling).llm_engine
-        engine.serve_online(lambda: False)
         runner, launch, overshoot = engine.model_runner, engine.model_runner.launch_decode_round, []
 
         def recording_launch(seqs, num_steps, after=None, launch=launch, overshoot=overshoot):
@@ -148,6 +160,27 @@ def test_rounds_end_where_a_sequence_reaches_max_tokens(tiny_model, monkeypatch,
             assert outputs[request_id] == hf_greedy(hf, prompt, m)
         overshoots[adaptive_rounds] = any(overshoot)
     assert overshoots == {True: False, False: True}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_waiting_request_takes_the_slot_a_clipped_round_frees(tiny_model, async_scheduling):
+    """A full batch (max_num_seqs 2) with a third request waiting: the round ends where the
+    first sequence reaches max_tokens, and the waiting request is prefilled in the step right
+    after it, in which the other sequence decodes too. With async scheduling no round may be
+    chained past that end (the outstanding token frees the slot)."""
+    path, hf = tiny_model("qwen3")
+    engine = _llm(path, async_scheduling=async_scheduling, max_num_seqs=2).llm_engine
+    max_tokens = [40, 60, 20]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    first, other, waiting = [engine.add_request(None, p, sp) for p, sp in zip(PROMPTS, params)]
+    outputs = {}
+    while waiting not in outputs:
+        _step(engine, outputs)
+    assert len(outputs[first]) == max_tokens[0]
+    assert len(outputs[other]) == max_tokens[0] + 1
+    _drain(engine, outputs)
+    for request_id, prompt, m in zip((first, other, waiting), PROMPTS, max_tokens):
+        assert outputs[request_id] == hf_greedy(hf, prompt, m)
 
 
 def test_the_server_flag_turns_adaptive_rounds_on():

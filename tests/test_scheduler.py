@@ -398,6 +398,7 @@ def test_a_full_batch_runs_rounds_while_others_wait(make_sched):
     a, b = decoding_pair(sched, FakeModel())
     sched.add(seq_of([1, 2]))
     assert not sched.can_admit()
+    assert sched.can_admit(num_leaving=1)  # one of them ends with a token not seen yet
     assert sched.extend_decode([a, b], 4, max_model_len=64) == 4
     sched.finish(a, "abort")  # a slot opens: the waiting sequence could join, plain steps again
     assert sched.can_admit()

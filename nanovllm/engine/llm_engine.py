@@ -123,19 +123,21 @@ class LLMEngine:
         overlaps the current one. On a CPU every launch runs to the end at once, so chaining
         gains nothing there and wastes the rows of sequences that stop."""
         wanted = self.config.async_scheduling
-        if wanted and self.num_scheduler_steps == 1:
-            how = "given" if self.config.num_scheduler_steps else "the default on this device and tensor_parallel_size"
-            raise ValueError("async_scheduling chains multi-step decode rounds: it needs "
-                             f"num_scheduler_steps > 1, got 1 ({how})")
+        if wanted:
+            self._check_multi_step("async_scheduling chains multi-step decode rounds")
         if wanted is None:
             return self.num_scheduler_steps > 1 and resolve_device(self.config.device).type == "cuda"
         return wanted
 
     def _check_adaptive_rounds(self) -> None:
-        if self.config.adaptive_rounds and self.num_scheduler_steps == 1:
+        if self.config.adaptive_rounds:
+            self._check_multi_step("adaptive_rounds shapes multi-step decode rounds")
+
+    def _check_multi_step(self, what: str) -> None:
+        """ValueError (`what` names the option) unless decode rounds are multi-step."""
+        if self.num_scheduler_steps == 1:
             how = "given" if self.config.num_scheduler_steps else "the default on this device and tensor_parallel_size"
-            raise ValueError("adaptive_rounds shapes multi-step decode rounds: it needs num_scheduler_steps > 1, "
-                             f"got 1 ({how})")
+            raise ValueError(f"{what}: it needs num_scheduler_steps > 1, got 1 ({how})")
 
     @property
     def adaptive_rounds(self) -> bool:
@@ -374,13 +376,13 @@ class LLMEngine:
         None when the next round needs the scheduler (newcomers that could join, a running sequence
         outside this round, too few free blocks, one-step rounds)."""
         in_round = {seq.seq_id for seq in decode_round.seqs if not seq.is_finished}
-        if (self.scheduler.can_admit() or self.requests_arriving()
-                or any(s.seq_id not in in_round for s in self.scheduler.running)):
+        if self.requests_arriving() or any(s.seq_id not in in_round for s in self.scheduler.running):
             return None
-        # sequences that the outstanding token ends for sure are left out; a stop token or
-        # string ends others only once seen, and their rows in the next round are dropped
+        # sequences that the outstanding token ends for sure are left out, and a waiting sequence
+        # takes the slot of one (a round clipped to max_tokens ends there); a stop token or string
+        # ends others only once seen, and their rows in the next round are dropped
         seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
-        if not seqs:
+        if not seqs or self.scheduler.can_admit(num_leaving=len(self.scheduler.running) - len(seqs)):
             return None
         num_steps = self._decode_steps(seqs, num_pending=1)
         if num_steps == 1:

@@ -60,10 +60,11 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def can_admit(self) -> bool:
+    def can_admit(self, num_leaving: int = 0) -> bool:
         """Whether a waiting sequence could join the batch at the next step: one waits and the
-        batch has room for it (max_num_seqs); KV room is found out only by trying."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+        batch has room for it (max_num_seqs) once `num_leaving` running sequences have ended;
+        KV room is found out only by trying."""
+        return bool(self.waiting) and len(self.running) - num_leaving < self.max_num_seqs
 
     @property
     def num_unfinished(self) -> int:

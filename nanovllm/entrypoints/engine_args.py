@@ -37,7 +37,7 @@ ENGINE_ARG_HELP = {
     "async_scheduling": "launch each decode round before the host has seen the previous one's last "
                         "step; default: on with multi-step rounds on a GPU",
     "adaptive_rounds": "shorten multi-step rounds where requests arrive or reach max_tokens, so slots "
-                       "change hands sooner (serving)",
+                       "change hands sooner (serving); needs num_scheduler_steps > 1",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
     "max_n": "largest n (samples per request) accepted",
     "trust_remote_code": "accepted for vLLM compatibility; nothing remote runs",
