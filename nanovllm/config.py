@@ -34,9 +34,10 @@ DEFAULT_GPU_SCHEDULER_STEPS = 16
 # - After a request arrives, while the batch has room (fewer than max_num_seqs), the next round
 #   runs at most ARRIVAL_ROUND_STEPS steps and each round after it doubles (1, 2, 4, 8, 16) up to
 #   num_scheduler_steps; steps that prefill count as rounds, so where the next round is the
-#   arrival's prefill step the decode rounds after it run 2, 4, 8, 16: a burst of arrivals (B3's wave of 64, sent as the previous 64 streams end)
-#   joins within a step or two instead of waiting out a 16-step round its first requests started
-#   alone; once arrivals stop, full-length rounds return within four rounds.
+#   arrival's prefill step the decode rounds after it run 2, 4, 8, 16: a burst of arrivals (B3's
+#   wave of 64, sent as the previous 64 streams end) joins within a step or two instead of waiting
+#   out a 16-step round its first requests started alone; once arrivals stop, full-length rounds
+#   return within four rounds.
 # - A round ends where one of its sequences reaches max_tokens, if that is at least
 #   MIN_CLIPPED_ROUND_STEPS steps in: its stream ends then instead of a round later, and its slot
 #   can take the next arrival. (Without it the short rounds shift the requests of a closed loop

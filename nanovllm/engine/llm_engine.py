@@ -58,7 +58,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.num_scheduler_steps = self._num_scheduler_steps()
         self.async_scheduling = self._async_scheduling()
-        self._check_adaptive_rounds()
+        if self.config.adaptive_rounds:
+            self._check_multi_step("adaptive_rounds shapes multi-step decode rounds")
         # Rounds launched (prefill steps included) since the last request was added; None once
         # the rounds have grown back to full length (config.ARRIVAL_ROUND_STEPS).
         self._rounds_since_arrival: int | None = None
@@ -129,10 +130,6 @@ class LLMEngine:
             return self.num_scheduler_steps > 1 and resolve_device(self.config.device).type == "cuda"
         return wanted
 
-    def _check_adaptive_rounds(self) -> None:
-        if self.config.adaptive_rounds:
-            self._check_multi_step("adaptive_rounds shapes multi-step decode rounds")
-
     def _check_multi_step(self, what: str) -> None:
         """ValueError (`what` names the option) unless decode rounds are multi-step."""
         if self.num_scheduler_steps == 1:
@@ -142,8 +139,8 @@ class LLMEngine:
     @property
     def adaptive_rounds(self) -> bool:
         """Whether rounds follow arrivals and ends of requests (Config.adaptive_rounds,
-        config.ARRIVAL_ROUND_STEPS)."""
-        return self.config.adaptive_rounds and self.num_scheduler_steps > 1
+        config.ARRIVAL_ROUND_STEPS; start-up refused it without multi-step rounds)."""
+        return self.config.adaptive_rounds
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
