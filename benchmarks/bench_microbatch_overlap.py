@@ -120,6 +120,24 @@ def sweep_rows(model, ctx_lens: list[int], rows: str, block_size: int, device: t
     return out
 
 
+def kernel_times(graph: torch.cuda.CUDAGraph) -> dict:
+    """A replay's milliseconds, its kernels' summed milliseconds and their count (CUPTI sees a graph's
+    kernels), and the ten kernels with the most time."""
+    from torch.profiler import ProfilerActivity, profile
+    wall = min(replay_ms(graph) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + e.device_time / 1e3 / REPLAYS
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return dict(replay_ms=round(wall, 4), kernels_per_replay=len(kernels) / REPLAYS,
+                kernel_ms=round(sum(by_name.values()), 4), top_ms={k: round(v, 4) for k, v in top})
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
@@ -130,6 +148,9 @@ def main():
     ap.add_argument("--mean-context", type=int, default=900,
                     help="contexts uniform in [100, 2 * this - 100] (B1 mid-run: ~560-token prompts, ~560 tokens out)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the forms")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="instead: the one-batch form's kernels under torch.profiler: their summed time against the "
+                         "replay's (the rest is the GPU between kernels), and the kernels a replay runs")
     ap.add_argument("--sweep-rows", metavar="N,N,...",
                     help="instead: time the one-batch form at these row counts (the same context mix), to read a "
                          "step's fixed cost off a line through them")
@@ -142,6 +163,11 @@ def main():
     ctx_lens = [rng.randint(100, 2 * args.mean_context - 100) for _ in range(args.rows)]
     needed = sum(-(-c // runner.block_size) for c in ctx_lens)
     assert needed <= runner.num_kvcache_blocks, f"{needed} blocks needed, {runner.num_kvcache_blocks} in the cache"
+    if args.kernel_times:
+        with torch.inference_mode():
+            graph = capture(model, micro_batches(ctx_lens, 1, runner.block_size, device), None, None)
+        print(json.dumps(dict(vars(args), device=torch.cuda.get_device_name(), **kernel_times(graph))))
+        return
     if args.sweep_rows:
         print(json.dumps(dict(vars(args), device=torch.cuda.get_device_name(),
                               ms_by_rows=sweep_rows(model, ctx_lens, args.sweep_rows, runner.block_size, device))))
