@@ -17,7 +17,7 @@ the LM head, each form of the same rows:
 - `overlap_hi`: the same, the second stream at a higher priority.
 
     python benchmarks/bench_microbatch_overlap.py [--shape 0.6b|8b] [--kv-cache-dtype fp8]
-        [--quantization fp8] [--rows 256] [--parts 2] [--sweep-rows 1,64,128,256]
+        [--quantization fp8] [--rows 256] [--parts 2] [--sweep-rows 1,64,128,256 | --kernel-times]
 """
 import argparse
 import json
@@ -28,12 +28,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_fp8 import QWEN3_8B  # noqa: E402
 from bench_offline import QWEN3_0_6B, model_dir  # noqa: E402
 from nanovllm import LLM  # noqa: E402
 from nanovllm.utils.context import Context, set_context  # noqa: E402
 
-QWEN3_8B = dict(QWEN3_0_6B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 SHAPES = {"0.6b": QWEN3_0_6B, "8b": QWEN3_8B}
 MAX_MODEL_LEN = 4096
 REPLAYS = 30
@@ -150,7 +149,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the forms")
     ap.add_argument("--kernel-times", action="store_true",
                     help="instead: the one-batch form's kernels under torch.profiler: their summed time against the "
-                         "replay's (the rest is the GPU between kernels), and the kernels a replay runs")
+                         "replay's, and the kernels a replay runs (with PDL a kernel's time includes its wait on the "
+                         "one before, so the sum can exceed the replay)")
     ap.add_argument("--sweep-rows", metavar="N,N,...",
                     help="instead: time the one-batch form at these row counts (the same context mix), to read a "
                          "step's fixed cost off a line through them")
