@@ -4,7 +4,10 @@ B1's largest decode batches (256 sequences, contexts of several hundred tokens, 
 8 KV heads of 128, block size 16) over a bf16 or fp8 cache, with the blocks of each sequence
 scattered over the cache as the engine's allocator leaves them. Launches the engine's decode
 kernel `--iters` times (no split-KV at this batch size), so a profiler can skip the first
-(compiling) launch and read one warm one:
+(compiling) launch and read one warm one. Other batches: `--seqs 1 --min-context 32000
+--max-context 32000 --max-model-len 40960` is one long sequence split as the engine splits it
+(the split count from the policy and `--max-model-len`, as a CUDA graph captures it, or
+`--num-splits`); `--num-heads 32` is the Qwen3-8B shape's groups of 4.
 
     ncu --clock-control none -k regex:_unified_attention_kernel --launch-skip 1 --launch-count 1 \\
         --section WarpStateStats --section Occupancy python3 benchmarks/ncu_decode.py --kv-cache-dtype fp8
@@ -22,8 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import kv_quant  # noqa: E402
 from nanovllm.kernels import triton_attn  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B
-MAX_MODEL_LEN = 4096
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16  # Qwen3-0.6B and -8B
 
 
 def main() -> None:
@@ -33,6 +35,9 @@ def main() -> None:
     ap.add_argument("--min-context", type=int, default=300)
     ap.add_argument("--max-context", type=int, default=1500)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--num-heads", type=int, default=16, help="query heads (16: Qwen3-0.6B, 32: Qwen3-8B)")
+    ap.add_argument("--max-model-len", type=int, default=4096, help="the max_seqlen_k the split policy sees")
+    ap.add_argument("--num-splits", type=int, default=None, help="split-KV factor (default: the policy's)")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}")
     args = ap.parse_args()
     for name, value in json.loads(args.attn_constants).items():
@@ -59,13 +64,14 @@ def main() -> None:
     if kv_quant.is_fp8(dtype):
         scales = dict(k_scale=torch.full((NUM_KV_HEADS,), 0.02, device="cuda"),
                       v_scale=torch.full((NUM_KV_HEADS,), 0.01, device="cuda"))
-    q = torch.randn(args.seqs, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(args.seqs, args.num_heads, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     cu = torch.arange(args.seqs + 1, dtype=torch.int32, device="cuda")
     seq_lens, tables = ctx.to(torch.int32).cuda(), tables.cuda()
     out = torch.empty_like(q)
     for _ in range(args.iters):
         triton_attn.paged_attention(q, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5, max_seqlen_q=1,
-                                    max_seqlen_k=MAX_MODEL_LEN, out=out, **scales)
+                                    max_seqlen_k=args.max_model_len, num_splits=args.num_splits, out=out,
+                                    **scales)
     torch.cuda.synchronize()
     kv_bytes = int(ctx.sum()) * NUM_KV_HEADS * HEAD_DIM * 2 * dtype.itemsize
     print(json.dumps({"kv_cache_dtype": str(dtype).removeprefix("torch."), "seqs": args.seqs,

@@ -225,13 +225,16 @@ DECODE_FMA_MAX_GROUP = 2
 # "B1") took 1% less attention time than with 2 and 256, the values tuned on uniform
 # contexts (NOTES_kernels.md): with B1's mixed context lengths, splitting mid-size batches
 # in two evens out the programs' work.
-# MAX_SPLITS: one 32k-token sequence alone (8 KV heads) took 1.20 ms of attention per decode
-# (28 layers) at 32 splits, 1.20 at 48, 1.40 at 64 and 1.45 at 128 on an H200
-# (bench_long_context.py, RESULTS.md "GPU round 2"): past 2 programs per multiprocessor the
-# shorter segments cost more than the fuller GPU gains.
+# MAX_SPLITS: one 32k-token sequence (8 KV heads) fills one wave of the decode tile's programs at
+# 48 splits: 384 programs, where a multiprocessor holds 3 (168 registers and 74 KB of shared memory
+# each, Nsight Compute); at 32 splits 256 programs left it 12% of its warps and DRAM 68% busy, at 64
+# the last 108 of 504 non-empty programs ran as a second wave. Its attention alone, 28 layers on an
+# H200: 1.125 ms at 48 splits, 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine
+# 568.7 / 569.4 tok/s against 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md
+# "Twenty-third session").
 TARGET_PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 512
-MAX_SPLITS = 32
+MAX_SPLITS = 48
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
 # The split-KV combine kernel: splits read at once, and warps a program. Alone at B1's decode shapes on an
 # H200 (16 heads of 128, a CUDA graph of 50 launches; RESULTS.md "Twentieth session"): 256 tokens x 3 splits
