@@ -257,3 +257,18 @@ def test_decode_cuda_graph_replays_new_lengths(kernels, gen):
     torch.cuda.synchronize()
     expected = _reference(batch, kwargs["scale"])
     torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_split_policy_caps_each_decode_kernel(monkeypatch):
+    """On an H200-sized GPU (132 multiprocessors): one 32k-token sequence of 8 KV heads splits into
+    MAX_SPLITS (one wave of the tensor-core tile), the CUDA-core kernel into its own cap; a short
+    context splits no finer than MIN_KEYS_PER_SPLIT; a full batch does not split."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels import triton_attn as ta
+    monkeypatch.setattr(ta, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert ta._choose_num_splits(8, 40960, cpu) == ta.MAX_SPLITS == 48
+    fma = ta._choose_num_splits(8, 40960, cpu, ta.DECODE_FMA_PROGRAMS_PER_SM, ta.DECODE_FMA_MAX_SPLITS)
+    assert fma == ta.DECODE_FMA_MAX_SPLITS == 32
+    assert ta._choose_num_splits(8, 4096, cpu) == 4096 // ta.MIN_KEYS_PER_SPLIT
+    assert ta._choose_num_splits(256 * 8, 40960, cpu) == 1

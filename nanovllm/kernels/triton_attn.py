@@ -197,6 +197,9 @@ DECODE_FMA_BLOCK_N = 16
 DECODE_FMA_NUM_WARPS = 1
 DECODE_FMA_NUM_STAGES = 3
 DECODE_FMA_PROGRAMS_PER_SM = 32  # the split policy's target for this kernel (TARGET_PROGRAMS_PER_SM's)
+# Its cap on splits (MAX_SPLITS's): B1 with an fp8 cache ran GPU steps of 3.724 / 3.737 ms at 32 against
+# 3.831 / 3.758 at 48 (alternating, one call; RESULTS.md "Twenty-third session").
+DECODE_FMA_MAX_SPLITS = 32
 DECODE_FMA_ACC_2D = False  # P V summed over keys per tile (False) or once at the end (True: slower)
 # P V summed per tile into DECODE_FMA_ACC_ROWS partial sums, rows r, r + ROWS, r + 2 ROWS, ... of the
 # tile each (the rows one thread holds: an fp8 tile's 16-byte rows put 4 threads along the keys),
@@ -225,10 +228,11 @@ DECODE_FMA_MAX_GROUP = 2
 # "B1") took 1% less attention time than with 2 and 256, the values tuned on uniform
 # contexts (NOTES_kernels.md): with B1's mixed context lengths, splitting mid-size batches
 # in two evens out the programs' work.
-# MAX_SPLITS: one 32k-token sequence (8 KV heads) fills one wave of the decode tile's programs at
-# 48 splits: 384 programs, where a multiprocessor holds 3 (168 registers and 74 KB of shared memory
-# each, Nsight Compute); at 32 splits 256 programs left it 12% of its warps and DRAM 68% busy, at 64
-# the last 108 of 504 non-empty programs ran as a second wave. Its attention alone, 28 layers on an
+# MAX_SPLITS (the tensor-core tile's; the CUDA-core kernel has DECODE_FMA_MAX_SPLITS): one 32k-token
+# sequence (8 KV heads) fills one wave of the decode tile's programs at 48 splits: 384 programs, where
+# a multiprocessor holds 3 (168 registers and 74 KB of shared memory each, Nsight Compute); at 32
+# splits its 256 programs ran at 12% occupancy with DRAM 68% busy, at 64 its 504 non-empty programs
+# took 1.29 waves (DRAM 64% busy). Its attention alone, 28 layers on an
 # H200: 1.125 ms at 48 splits, 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine
 # 568.7 / 569.4 tok/s against 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md
 # "Twenty-third session").
@@ -640,14 +644,16 @@ def _cuda_sms(index: int) -> int:
 
 
 def _choose_num_splits(programs: int, max_seqlen_k: int | None, device: torch.device,
-                       programs_per_sm: int | None = None) -> int:
+                       programs_per_sm: int | None = None, max_splits: int | None = None) -> int:
     """Split-KV factor that fills the GPU (`programs_per_sm` programs a multiprocessor, default
-    TARGET_PROGRAMS_PER_SM) without making segments too short."""
+    TARGET_PROGRAMS_PER_SM) without making segments too short, nor more than `max_splits`
+    (default MAX_SPLITS)."""
     target = (programs_per_sm or TARGET_PROGRAMS_PER_SM) * num_sms(device)
     if programs >= target:
         return 1
-    by_length = MAX_SPLITS if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
-    return max(1, min(triton.cdiv(target, programs), by_length, MAX_SPLITS))
+    max_splits = max_splits or MAX_SPLITS
+    by_length = max_splits if max_seqlen_k is None else max_seqlen_k // MIN_KEYS_PER_SPLIT
+    return max(1, min(triton.cdiv(target, programs), by_length, max_splits))
 
 
 def _large_prefill_tile(device: torch.device, q_dtype: torch.dtype, kv_fp8: bool) -> bool:
@@ -797,7 +803,7 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     pairs = triton.cdiv(qpk, triton_decode_fma.HEADS_PER_PROGRAM.value)
     if num_splits is None:
         num_splits = _choose_num_splits(num_seqs * num_kv_heads * pairs, max_seqlen_k, q.device,
-                                        DECODE_FMA_PROGRAMS_PER_SM)
+                                        DECODE_FMA_PROGRAMS_PER_SM, DECODE_FMA_MAX_SPLITS)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad, q.device)
     pv_fp16 = DECODE_FMA_PV_FP16 and kv_fp8 and not DECODE_FMA_ACC_2D
