@@ -232,10 +232,9 @@ DECODE_FMA_MAX_GROUP = 2
 # sequence (8 KV heads) fills one wave of the decode tile's programs at 48 splits: 384 programs, where
 # a multiprocessor holds 3 (168 registers and 74 KB of shared memory each, Nsight Compute); at 32
 # splits its 256 programs ran at 12% occupancy with DRAM 68% busy, at 64 its 504 non-empty programs
-# took 1.29 waves (DRAM 64% busy). Its attention alone, 28 layers on an
-# H200: 1.125 ms at 48 splits, 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine
-# 568.7 / 569.4 tok/s against 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md
-# "Twenty-third session").
+# took 1.29 waves (DRAM 64% busy). Its attention alone, 28 layers on an H200: 1.125 ms at 48 splits,
+# 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine 568.7 / 569.4 tok/s against
+# 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md "Twenty-third session").
 TARGET_PROGRAMS_PER_SM = 8
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
