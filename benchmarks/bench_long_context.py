@@ -89,8 +89,9 @@ def tile_constants(module, **values):
             setattr(module, name, value)
 
 
-def _paged_inputs(cfg: dict, cached: int, queries: int):
-    h, kvh, d, bs = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 16
+def _paged_inputs(cfg: dict, cached: int, queries: int, bs: int = 16):
+    """One sequence's attention inputs over a shuffled cache of `bs`-token pages."""
+    h, kvh, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     context = cached + queries
     blocks = -(-context // bs)
     k = torch.randn(blocks, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
@@ -145,6 +146,7 @@ def main():
                     help="a list of triton_attn constant sets; the split sweep runs once with each, e.g. "
                          "'[{}, {\"DECODE_FMA_16BIT\": true}]'")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--kvcache-block-size", type=int, default=None, help="the engine's cache page size")
     ap.add_argument("--tile-sweep", action="store_true", help="also time the attention kernel at other tile shapes")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time by kernel over the decode run, repeated (prefix-cache hit)")
@@ -156,6 +158,8 @@ def main():
     cfg = QWEN3_0_6B
     t0 = time.perf_counter()
     kwargs = {} if args.max_num_batched_tokens is None else dict(max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.kvcache_block_size is not None:
+        kwargs["kvcache_block_size"] = args.kvcache_block_size
     llm = LLM(model_dir(cfg), load_format="dummy", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, **kwargs)
     load_s = time.perf_counter() - t0
     seed(0)
@@ -172,6 +176,7 @@ def main():
     floor_s = decode_floor_s(cfg, PROMPT_LEN, DECODE_TOKENS, copy_bandwidth())
     result = {"bench": "long_context", "prompt_len": PROMPT_LEN, "load_s": round(load_s, 2),
               "max_num_batched_tokens": llm.llm_engine.config.max_num_batched_tokens,
+              "kvcache_block_size": llm.llm_engine.config.kvcache_block_size,
               "attn_constants": json.loads(args.attn_constants),
               "ttft_s": [round(t, 3) for t in ttfts], "ttft_median_s": round(statistics.median(ttfts), 3),
               "decode_tok_per_s": round(DECODE_TOKENS / decode_s, 1),

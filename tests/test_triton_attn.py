@@ -190,6 +190,54 @@ def test_large_prefill_tile(poisoned_kernels, gen, monkeypatch, case):
     _check_paged_attention(poisoned_kernels, gen, batch, torch.float16, head_dim ** -0.5, **kwargs)
 
 
+# Pages of whole 64-key tiles (triton_prefill_tma.BLOCK_N): prefills, a chunk over a prefix that
+# ends inside a tile, decode rows beside them, a group of 3 query heads padded to 4, pages of two
+# tiles; every page's slots past its context are NaN.
+TMA_CASES = {
+    "mixed_bs64": ([(0, 70), (130, 9), (63, 1), (200, 1)], 4, 2, 32, 64),
+    "qpk3_bs128": ([(5, 40), (0, 129)], 6, 2, 16, 128),
+}
+
+
+@pytest.mark.parametrize("case", list(TMA_CASES))
+def test_prefill_tma_kernel(kernels, gen, case):
+    """The TMA prefill kernel (called directly, so the interpreter runs it too) against the
+    reference."""
+    from nanovllm.kernels import triton_prefill_tma
+    seqs, num_heads, num_kv_heads, head_dim, block_size = TMA_CASES[case]
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    expected = _reference(batch, scale)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    assert triton_prefill_tma.pages_fit(batch["q"], batch["k_cache"], batch["v_cache"])
+    out = torch.full_like(batch["q"], float("nan"))
+    got = triton_prefill_tma.prefill_attention(**batch, scale=scale, max_seqlen_q=max(q for _, q in seqs), out=out)
+    got = got.float().cpu()
+    seed = f"seed {gen.initial_seed()}"
+    assert not got.isnan().any(), f"NaN in output (unwritten or unmasked), {seed}"
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], msg=lambda m: f"{m}\n{seed}")
+
+
+def test_prefill_tma_takes_pages_of_whole_tiles(kernels):
+    """Which caches the TMA kernel takes: pages of whole tiles, 16-bit, power-of-two heads."""
+    from nanovllm.kernels import triton_prefill_tma
+    q = torch.zeros(3, 4, 64, dtype=torch.float16)
+
+    def cache(block_size, head_dim=64, dtype=torch.float16):
+        return torch.zeros(2, block_size, 2, head_dim, dtype=dtype)
+    assert triton_prefill_tma.pages_fit(q, cache(64), cache(64))
+    assert triton_prefill_tma.pages_fit(q, cache(256), cache(256))
+    assert not triton_prefill_tma.pages_fit(q, cache(16), cache(16))  # a tile would span 4 pages
+    assert not triton_prefill_tma.pages_fit(q, cache(96), cache(96))
+    assert not triton_prefill_tma.pages_fit(q, cache(64, dtype=torch.float32), cache(64, dtype=torch.float32))
+    q80 = torch.zeros(3, 4, 80, dtype=torch.float16)
+    assert not triton_prefill_tma.pages_fit(q80, cache(64, 80), cache(64, 80))
+    if hasattr(torch, "float8_e4m3fn"):
+        fp8 = cache(64, dtype=torch.float8_e4m3fn)
+        assert not triton_prefill_tma.pages_fit(q, fp8, fp8)
+
+
 def _decodes(rnd, batch: int, max_ctx: int) -> list[tuple[int, int]]:
     return [(rnd(1, max_ctx) - 1, 1) for _ in range(batch)]
 

@@ -28,7 +28,7 @@ from nanovllm.kernels import kv_quant, torch_ref
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0     # triton_attn.FP8_E4M3_MAX
 P_SCALE = 256.0     # triton_attn.P_FP8_SCALE
-RUNNING_MAX_INIT = -1.0e30  # triton_attn.RUNNING_MAX_INIT
+RUNNING_MAX_INIT = -1.0e30  # triton_paged_tiles.RUNNING_MAX_INIT
 LOG2E = 1.4426950408889634
 
 

@@ -81,16 +81,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import kv_quant, triton_decode_fma
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
+from nanovllm.kernels import kv_quant, triton_decode_fma, triton_prefill_tma
+from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
+                                                 split_tile_range, store_rows)
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
 WGMMA_MIN_M = tl.constexpr(64)  # Hopper's wgmma (operands from shared memory) needs >= 64 rows
-# Running maximum starts finite, so a row with no visible key in a tile gets p = 0
-# (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
-RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
 FP16_MAX = tl.constexpr(65504.0)  # queries beyond it (none in practice) are clamped, not made inf
 
 
@@ -323,15 +321,6 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 # ------------------------------------------------------------------ attention kernel
 @triton.jit
-def _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Queries of the tile's rows.  # [BLOCK_M, HEAD_DIM_PAD]"""
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    offs = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    return tl.load(q_ptr + offs, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-
-
-@triton.jit
 def _opaque_identity(x):
     """x unchanged (16-bit values, two to a register), through an op with side effects, so the
     compiler neither moves work across it nor looks through it at how x was made."""
@@ -418,16 +407,6 @@ def _quantize_rows_e4m3(x):
     return y.to(tl.float8e4nv), scale
 
 
-@triton.jit
-def _store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Store [BLOCK_M, HEAD_DIM_PAD] `values` at rows (token, head) of a [T, H, ...] tensor."""
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    offs = tokens[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
-    tl.store(ptr + offs, values.to(ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
-
-
 @triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -466,7 +445,7 @@ def _unified_attention_kernel(
     head = kv_head * QPK + rows % QPK_PAD                         # [BLOCK_M] query head of each row
     row_ok = (q_idx < q_len) & (rows % QPK_PAD < QPK)
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
-    q = _load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
+    q = load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
                      HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
     if FP16_PRODUCTS:  # an fp8 cache with 16-bit queries
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
@@ -524,10 +503,10 @@ def _unified_attention_kernel(
     if KV_FP8:  # every value row of this KV head had the same scale
         o = o * tl.load(v_scale_ptr + kv_head)
     if not IS_SPLIT:
-        _store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
+        store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
                     HEAD_DIM, HEAD_DIM_PAD)
     else:
-        _store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
+        store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
                     stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
@@ -735,6 +714,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
                        _large_prefill_tile(q.device, q.dtype, kv_fp8), opaque["OPAQUE_V_CAST"])
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
+    if max_seqlen_q > 1 and num_splits in (None, 1) and triton_prefill_tma.applies(q, k_cache, v_cache):
+        programs = triton_prefill_tma.num_programs(max_seqlen_q, qpk, num_kv_heads, num_seqs)
+        if num_splits == 1 or programs >= triton_prefill_tma.MIN_PROGRAMS_PER_SM * num_sms(q.device):
+            return triton_prefill_tma.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
+                                                        block_tables, scale, max_seqlen_q, out)
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
                                         max_seqlen_k, q.device)

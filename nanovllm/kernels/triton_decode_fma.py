@@ -28,11 +28,9 @@ first). Variants: per model and cache dtype, times split or not.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, load_kv_tile, split_tile_range
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, split_tile_range
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
-# Running maximum starts finite, so a row with no visible key gets p = 0, not NaN
-RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
 # Query heads one program computes, each with its own scalar softmax state and [D] (or
 # [BLOCK_N, D]) accumulator, written out per head (Triton has no per-row loop over a tile).
 HEADS_PER_PROGRAM = tl.constexpr(2)

@@ -1,6 +1,7 @@
-"""What the attention kernels (`triton_attn`, `triton_decode_fma`) share about a paged cache:
-the gather of one K or V tile through a sequence's block table, which KV tiles one split of a
-context covers, and which of their common run-time arguments are not specialized."""
+"""What the attention kernels (`triton_attn`, `triton_decode_fma`, `triton_prefill_tma`) share: the
+gather of one K or V tile through a sequence's block table, which KV tiles one split of a context
+covers, the load of a query tile and the store of its rows, and which of their common run-time
+arguments are not specialized."""
 import triton
 import triton.language as tl
 
@@ -9,6 +10,9 @@ import triton.language as tl
 # `% 16 == 0`): the block-table width, and the split count with the workspace strides that
 # follow from it.
 RUN_TIME_ARGS = ["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"]
+# Running maximum starts finite, so a row with no visible key in a tile gets p = 0
+# (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
+RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -56,3 +60,22 @@ def split_tile_range(kv_end, seen_by_all, split, num_splits, BLOCK_N: tl.constex
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
     full_end = tl.minimum(seen_by_all // BLOCK_N, tile_end)
     return tile_begin, full_end, tl.maximum(tile_begin, full_end), tile_end
+
+
+@triton.jit
+def load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Queries of the tile's rows.  # [BLOCK_M, HEAD_DIM_PAD]"""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offs = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    return tl.load(q_ptr + offs, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, tokens, head, row_ok, values, stride_t, stride_h,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Store [BLOCK_M, HEAD_DIM_PAD] `values` at rows (token, head) of a [T, H, ...] tensor."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offs = tokens[:, None] * stride_t + head[:, None] * stride_h + dims[None, :]
+    tl.store(ptr + offs, values.to(ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])

@@ -1,0 +1,96 @@
+"""Prefill attention of a 32,000-token prompt on the GPU: the gather kernel against the TMA kernel.
+
+The engine prefills a 32k prompt in 8,192-token chunks; this times the attention of two of them
+(28 layers' worth, Qwen3-0.6B's 16 query / 8 KV heads of 128), each over a shuffled paged cache:
+the first chunk (causal, no prefix) and the last (over the 23,808 tokens cached before it). For
+each cache page size in `--block-sizes`:
+
+- `triton_attn`'s kernel, which gathers K/V token by token (any page size), with the TMA kernel
+  switched off: at the split count its policy gives a prefill (`policy`) and unsplit (`splits1`);
+- where pages hold whole tiles, `triton_prefill_tma`'s kernel at each tile of `--tma-tiles`
+  (BLOCK_M, BLOCK_N, warps, stages, warp specialization), its output checked against the gather
+  kernel's.
+
+Prints one JSON line per (page size, kernel, tile): ms per chunk (all layers) and TFLOP/s of the
+causal products.
+
+    python benchmarks/bench_prefill_attention.py [--block-sizes 16,64,128] [--tma-tiles JSON]
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_long_context import PREFILL_CHUNK, PROMPT_LEN, _paged_inputs, tile_constants  # noqa: E402
+from bench_offline import QWEN3_0_6B  # noqa: E402
+
+DEFAULT_TMA_TILES = [[256, 64, 8, 3, False], [256, 64, 8, 2, False], [256, 128, 8, 2, False],
+                     [128, 128, 8, 3, False], [128, 64, 4, 3, False], [256, 64, 8, 3, True], [128, 128, 8, 3, True]]
+
+
+def causal_flops(cfg: dict, cached: int, queries: int) -> float:
+    """Multiply-adds x 2 of QK^T and PV, query i of the chunk seeing cached + i + 1 keys."""
+    keys = queries * cached + queries * (queries + 1) // 2
+    return 4 * cfg["num_attention_heads"] * cfg["head_dim"] * keys
+
+
+def time_chunk(fn) -> float:
+    import triton
+    fn()
+    return triton.testing.do_bench(fn, rep=200, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--block-sizes", default="16,64,128")
+    ap.add_argument("--tma-tiles", metavar="JSON", default=json.dumps(DEFAULT_TMA_TILES),
+                    help="[[BLOCK_M, BLOCK_N, warps, stages, warp_specialize], ...]")
+    args = ap.parse_args()
+    from nanovllm.kernels import triton_attn, triton_prefill_tma
+    cfg = QWEN3_0_6B
+    layers = cfg["num_hidden_layers"]
+    chunks = {"first_chunk": 0, "last_chunk": PROMPT_LEN - PREFILL_CHUNK}
+    for bs in [int(b) for b in args.block_sizes.split(",")]:
+        for name, cached in chunks.items():
+            inputs = _paged_inputs(cfg, cached, PREFILL_CHUNK, bs)
+            flops = causal_flops(cfg, cached, PREFILL_CHUNK)
+
+            def report(kernel, tile, ms, err=None):
+                row = {"block_size": bs, "chunk": name, "kernel": kernel, "tile": tile}
+                if isinstance(ms, str):
+                    row["failed"] = ms
+                else:
+                    row.update(ms=round(layers * ms, 3), tflops=round(flops / (ms * 1e-3) / 1e12, 1))
+                if err is not None:
+                    row["max_abs_diff_vs_gather"] = err
+                print(json.dumps(row), flush=True)
+
+            with tile_constants(triton_prefill_tma, ENABLED=False):
+                ref = triton_attn.paged_attention(**inputs)
+                report("gather", "policy", time_chunk(lambda: triton_attn.paged_attention(**inputs)))
+                report("gather", "splits1", time_chunk(lambda: triton_attn.paged_attention(**inputs, num_splits=1)))
+            if not triton_prefill_tma.pages_fit(inputs["q"], inputs["k_cache"], inputs["v_cache"]):
+                continue
+            for block_m, block_n, warps, stages, ws in json.loads(args.tma_tiles):
+                if bs % block_n:
+                    continue
+                tile = f"m{block_m}_n{block_n}_w{warps}_s{stages}" + ("_ws" if ws else "")
+                try:
+                    with tile_constants(triton_prefill_tma, BLOCK_M=block_m, BLOCK_N=block_n, NUM_WARPS=warps,
+                                        NUM_STAGES=stages, WARP_SPECIALIZE=ws):
+                        fn = lambda: triton_prefill_tma.prefill_attention(  # noqa: E731
+                            **{k: v for k, v in inputs.items() if k != "max_seqlen_k"}, out=torch.empty_like(ref))
+                        err = (fn().float() - ref.float()).abs().max().item()
+                        ms = time_chunk(fn)
+                except Exception as e:  # a tile this GPU or Triton cannot compile: named, not fatal
+                    ms, err = f"{type(e).__name__}: {str(e)[:200]}", None
+                report("tma", tile, ms, err)
+            del inputs, ref
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
