@@ -7,7 +7,12 @@ manager, step inputs and output processing, with `ModelRunner.run` replaced by a
 that builds the step's inputs (`prepare`) and samples token 0, and prints the host time of
 each step until every prompt is prefilled.
 
+With `--long-prompt N`, the workload is instead one N-token prompt (fresh ones, `--repeats` times)
+prefilled in chunks of `--max-num-batched-tokens`: the host's share of a long prompt's TTFT
+(`bench_long_context.py` times the whole of it on a GPU).
+
     python benchmarks/bench_host_steps.py [--profile]
+    python benchmarks/bench_host_steps.py --long-prompt 32000 [--max-num-batched-tokens 8192]
 """
 import argparse
 import cProfile
@@ -16,15 +21,17 @@ import os
 import pstats
 import sys
 import time
+from random import randint, seed
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_offline import SMALL, model_dir, workload  # noqa: E402
 
-from nanovllm import LLM  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput  # noqa: E402
 
 MODEL = dict(SMALL, vocab_size=10_001)  # B1's prompt ids are randint(0, 10000)
 NUM_KV_BLOCKS = 12_000  # room for every B1 prompt at block size 16
+BLOCK_SIZE = 16         # the engine's default
 
 
 def stand_in_run(runner):
@@ -38,10 +45,35 @@ def stand_in_run(runner):
     return run
 
 
+def long_prompt_steps(prompt_len: int, chunk: int, repeats: int) -> None:
+    """Host ms of each step of one `prompt_len`-token prompt until its first token, `repeats` times."""
+    llm = LLM(model_dir(MODEL), load_format="dummy", skip_tokenizer_init=True, max_model_len=prompt_len + 1,
+              num_kvcache_blocks=2 * (prompt_len // BLOCK_SIZE + 1), max_num_batched_tokens=chunk,
+              enforce_eager=True)
+    engine = llm.llm_engine
+    engine.model_runner.run = stand_in_run(engine.model_runner)
+    seed(0)
+    for _ in range(repeats):
+        engine.add_request(None, [randint(0, 10000) for _ in range(prompt_len)], SamplingParams(max_tokens=1))
+        step_ms = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            step_ms.append(round((time.perf_counter() - start) * 1e3, 2))
+        print(json.dumps({"bench": "host_steps_long_prompt", "prompt_len": prompt_len, "max_num_batched_tokens": chunk,
+                          "step_ms": step_ms, "total_ms": round(sum(step_ms), 1)}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="print the functions taking the most host time")
+    ap.add_argument("--long-prompt", type=int, default=None, metavar="N", help="one N-token prompt instead of B1's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="with --long-prompt: the chunk")
+    ap.add_argument("--repeats", type=int, default=3, help="with --long-prompt: fresh prompts, one after another")
     args = ap.parse_args()
+    if args.long_prompt is not None:
+        long_prompt_steps(args.long_prompt, args.max_num_batched_tokens, args.repeats)
+        return
     llm = LLM(model_dir(MODEL), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               num_kvcache_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=16384, max_num_seqs=256)
     engine = llm.llm_engine

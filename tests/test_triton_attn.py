@@ -307,6 +307,26 @@ def test_decode_cuda_graph_replays_new_lengths(kernels, gen):
     torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
 
 
+def test_prefill_batches_take_their_own_split_target(kernels, gen, monkeypatch):
+    """PREFILL_TARGET_PROGRAMS_PER_SM reaches the split policy for batches with prefill tiles, and
+    only for them (decode-only batches keep TARGET_PROGRAMS_PER_SM)."""
+    seen = []
+    choose = kernels._choose_num_splits
+
+    def recording(programs, max_seqlen_k, device, programs_per_sm=None, max_splits=None):
+        seen.append(programs_per_sm)
+        return choose(programs, max_seqlen_k, device, programs_per_sm, max_splits)
+    monkeypatch.setattr(kernels, "_choose_num_splits", recording)
+    monkeypatch.setattr(kernels, "PREFILL_TARGET_PROGRAMS_PER_SM", 3)
+    prefill = _make_batch(gen, [(20, 5)], 2, 1, 16, 4, torch.float32)
+    decode = _make_batch(gen, [(20, 1)], 2, 1, 16, 4, torch.float32)
+    for batch in (prefill, decode):
+        expected = _reference(batch, 0.25)
+        got = kernels.paged_attention(**{k: v.to(DEVICE) for k, v in batch.items()}, scale=0.25)
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+    assert seen == [3, None]
+
+
 def test_split_policy_caps_each_decode_kernel(monkeypatch):
     """On an H200-sized GPU (132 multiprocessors): one 32k-token sequence of 8 KV heads splits into
     MAX_SPLITS (one wave of the tensor-core tile), the CUDA-core kernel into its own cap; a short

@@ -234,6 +234,14 @@ DECODE_FMA_MAX_GROUP = 2
 # 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine 568.7 / 569.4 tok/s against
 # 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md "Twenty-third session").
 TARGET_PROGRAMS_PER_SM = 8
+# The same target for batches with prefill tiles (None: TARGET_PROGRAMS_PER_SM). At 8 an 8,192-token
+# chunk of Qwen3-0.6B's shape (512 query tiles of 128 tokens x KV heads) splits in 3, although the large
+# prefill tile holds one program a multiprocessor; a 32k prompt's TTFT was 0.383-0.400 s in 8k or 16k
+# chunks (split 3 and 2) against 0.347-0.353 s in one unsplit chunk (RESULTS.md "Thirteenth session"),
+# a difference the host does not explain (its work for the four chunks took 16.6-17.5 ms against 10.2-16.1
+# for one on a 2-core CPU: bench_host_steps.py --long-prompt). Not yet timed apart on a GPU:
+# benchmarks/bench_prefill_attention.py times a chunk both ways (RESULTS.md "Twenty-fourth session").
+PREFILL_TARGET_PROGRAMS_PER_SM = None
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
@@ -720,8 +728,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return triton_prefill_tma.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
                                                         block_tables, scale, max_seqlen_q, out)
     if num_splits is None:
-        num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads,
-                                        max_seqlen_k, q.device)
+        num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads, max_seqlen_k, q.device,
+                                        PREFILL_TARGET_PROGRAMS_PER_SM if max_seqlen_q > 1 else None)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)

@@ -16,6 +16,12 @@ online softmax with fp32 accumulators, the tiles on the causal diagonal alone ma
 masked tile past the context are whatever the page holds (NaN included): their scores are masked
 and their values zeroed before the products.
 
+Status: built and checked against the torch reference under Triton's interpreter only; it has not
+yet been compiled or timed on a GPU, so it is off (`ENABLED = False`) until
+`benchmarks/bench_prefill_attention.py` has compared it with the gather kernel on an H200
+(benchmarks/NOTES_gpu_ideas.md). The engine's default page size (16 tokens) holds no whole
+64-key tile; pages of 64 or more (`kvcache_block_size`) do.
+
 Applies (`applies`) to 16-bit caches of the queries' dtype whose head size is a power of two, laid
 out `[num_blocks, block_size, num_kv_heads, head_dim]` contiguously (the engine's caches), on a GPU
 of MIN_CAPABILITY or later. Compiled variants: one per model (head counts, head size, block size,
@@ -30,7 +36,7 @@ from nanovllm.kernels.triton_paged_tiles import RUNNING_MAX_INIT, load_q_tile, s
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
-ENABLED = True           # module switch, for benchmarks' A/B
+ENABLED = False          # module switch (off until timed on a GPU: the module docstring)
 MIN_CAPABILITY = (9, 0)  # TMA: sm_90 (Hopper) and later
 BLOCK_M = 256            # rows of a tile: query tokens x the query heads of one KV head
 BLOCK_N = 64             # keys of a KV tile (one TMA copy each of K and V)
