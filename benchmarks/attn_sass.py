@@ -16,6 +16,11 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py --kv fp8 --qpk 4 --added-zero   # the fp8 tile before the opaque V cast
     python benchmarks/attn_sass.py --kv fp8,fp8:mma                # fp8 tile against fp8 tensor-core products
     python benchmarks/attn_sass.py --kv auto,fp8 --qpk 4          # Qwen3-8B's groups of 4 query heads
+    python benchmarks/attn_sass.py --prefill --tiles 256/64/8/3,128/64/4/3   # prefill: gather vs TMA kernel
+
+`--prefill` compiles the bf16 prefill tiles instead (BLOCK_M/BLOCK_N/warps/stages, default the engine's large
+tile), each for `triton_attn`'s gather kernel (pages of 16) and for `triton_prefill_tma`'s (pages of 64), and
+counts the TMA copies (UTMALDG), cp.async copies (LDGSTS) and wgmma instructions (HGMMA) in the code.
 """
 import argparse
 import collections
@@ -30,6 +35,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nanovllm.kernels import triton_attn as ta  # noqa: E402
+from nanovllm.kernels import triton_prefill_tma as tma  # noqa: E402
 
 KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
 QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16  # QPK: query heads per KV head (--qpk)
@@ -62,6 +68,53 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
+
+
+def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stages: int, arch: int):
+    """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints."""
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+                 for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in aligned or pointers.get(n, "").startswith("*")}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK):
+    """A bf16 prefill tile: `triton_attn`'s gather kernel over pages of PAGE_SIZE, or ("tma")
+    `triton_prefill_tma`'s over pages of its BLOCK_N's smallest multiple of 64."""
+    common = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=block_m // qpk, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
+                  PDL=True)
+    rows = dict(out_ptr="*bf16", q_ptr="*bf16", cu_seqlens_q_ptr="*i32", seq_lens_k_ptr="*i32",
+                block_tables_ptr="*i32")
+    if kernel == "tma":
+        desc = f"tensordesc<bf16[{block_n}, {HEAD_DIM}]>"
+        consts = dict(common, PAGE_SIZE=max(64, block_n), LOOP_STAGES=stages, WARP_SPECIALIZE=False)
+        return _compile(tma._prefill_tma_kernel, consts, dict(rows, k_desc=desc, v_desc=desc),
+                        ("stride_qt", "stride_qh", "stride_ot", "stride_oh"), warps, stages, arch)
+    consts = dict(common, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False, DOT_PRECISION="tf32",
+                  KV_FP8=False, FP16_PRODUCTS=False, V_KEY_MINOR=False, FP8_MMA=False, PV_MMA=False,
+                  OPAQUE_V_CAST=False, OPAQUE_K_CAST=False, stride_vd=1)
+    pointers = dict(rows, part_out_ptr="*fp32", part_lse_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    return _compile(ta._unified_attention_kernel, consts, pointers, ALIGNED[:-1], warps, stages, arch)
+
+
+def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None) -> None:
+    """Registers, shared memory, spills and copy/product instruction counts of each prefill tile, both kernels."""
+    engine = (ta.PREFILL_LARGE_BLOCK_M, ta.PREFILL_LARGE_BLOCK_N, ta.PREFILL_LARGE_NUM_WARPS, ta.PREFILL_LARGE_NUM_STAGES)
+    for tile in [tuple(int(x) for x in t.split("/")) for t in tiles.split(",") if t] or [engine]:
+        for kernel in ("gather", "tma"):
+            name = f"prefill_{kernel}_{'_'.join(map(str, tile))}"
+            compiled = compile_prefill(kernel, *tile, arch, qpk)
+            sass, usage = sass_of(compiled, keep, name)
+            ops = collections.Counter(re.findall(r"\b(UTMALDG|LDGSTS|HGMMA)\b", sass))
+            regs = re.search(r"REG:(\d+)", usage)
+            spills = len(re.findall(r"\bSTL\b", sass))
+            print(f"{name}: registers {regs.group(1) if regs else '?'}, shared {compiled.metadata.shared} B, "
+                  f"spill stores {spills}, TMA copies {ops['UTMALDG']}, "
+                  f"cp.async {ops['LDGSTS']}, wgmma {ops['HGMMA']}")
 
 
 def engine_maxnreg(kv: str, layout: str, opaque_v_cast: bool) -> int | None:
@@ -131,10 +184,14 @@ def main() -> None:
     ap.add_argument("--opaque-k", action="store_true", help="fp8 tiles with K behind the identity too")
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
+    ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
     args = ap.parse_args()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     print(f"triton {triton.__version__}, sm_{args.arch}")
+    if args.prefill:
+        print_prefill(args.tiles, args.arch, args.qpk, args.keep)
+        return
     for spec in args.kv.split(","):
         kv, _, layout = spec.partition(":")
         engine = ((ta.DECODE_FP8_BLOCK_N, ta.DECODE_FP8_NUM_WARPS, ta.DECODE_FP8_NUM_STAGES)
