@@ -234,6 +234,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (auto, fp8, ...)")
+    ap.add_argument("--kvcache-block-size", type=int, default=None, help="the engine's cache page size")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernels/triton_attn.py tile constants to set first, e.g. "
                          "'{\"DECODE_FP8_BLOCK_N\": 64}' (an A/B of a tile against the default)")
@@ -263,7 +264,8 @@ def main():
               max_model_len=4096,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps,
-              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
+              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+              **({} if args.kvcache_block_size is None else {"kvcache_block_size": args.kvcache_block_size}))
     load_s = time.perf_counter() - t0
     # bench.py's warm-up: one short prompt (fresh ids, no prefix shared with the workload)
     variants = VariantCounter().__enter__()
@@ -290,6 +292,7 @@ def main():
               "prepare_ms_per_step": per_step(timer.prepare_s),
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),
               "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_dtype": args.kv_cache_dtype,
+              "kvcache_block_size": llm.llm_engine.config.kvcache_block_size,
               "attn_constants": json.loads(args.attn_constants),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():

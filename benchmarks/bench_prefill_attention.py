@@ -6,7 +6,8 @@ the first chunk (causal, no prefix) and the last (over the 23,808 tokens cached 
 each cache page size in `--block-sizes`:
 
 - `triton_attn`'s kernel, which gathers K/V token by token (any page size), with the TMA kernel
-  switched off: at the split count its policy gives a prefill (`policy`) and unsplit (`splits1`);
+  switched off, per tile of `--gather-tiles`: at the split count its policy gives a prefill (`policy`)
+  and unsplit (`splits1`);
 - where pages hold whole tiles, `triton_prefill_tma`'s kernel at each tile of `--tma-tiles`
   (BLOCK_M, BLOCK_N, warps, stages, warp specialization), its output checked against the gather
   kernel's.
@@ -47,7 +48,10 @@ def time_chunk(fn) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--block-sizes", default="16,64,128")
+    ap.add_argument("--block-sizes", default="16,64")
+    ap.add_argument("--gather-tiles", metavar="JSON", default="[[256, 64, 8, 3], [128, 128, 8, 3]]",
+                    help="the gather kernel's large prefill tiles, [[BLOCK_M, BLOCK_N, warps, stages], ...] (first: "
+                         "the reference output)")
     ap.add_argument("--tma-tiles", metavar="JSON", default=json.dumps(DEFAULT_TMA_TILES),
                     help="[[BLOCK_M, BLOCK_N, warps, stages, warp_specialize], ...]")
     args = ap.parse_args()
@@ -72,8 +76,13 @@ def main():
 
             with tile_constants(triton_prefill_tma, ENABLED=False):
                 ref = triton_attn.paged_attention(**inputs)
-                report("gather", "policy", time_chunk(lambda: triton_attn.paged_attention(**inputs)))
-                report("gather", "splits1", time_chunk(lambda: triton_attn.paged_attention(**inputs, num_splits=1)))
+                for block_m, block_n, warps, stages in json.loads(args.gather_tiles):
+                    tile = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+                    with tile_constants(triton_attn, PREFILL_LARGE_BLOCK_M=block_m, PREFILL_LARGE_BLOCK_N=block_n,
+                                        PREFILL_LARGE_NUM_WARPS=warps, PREFILL_LARGE_NUM_STAGES=stages):
+                        report("gather", f"{tile}_policy", time_chunk(lambda: triton_attn.paged_attention(**inputs)))
+                        report("gather", f"{tile}_splits1",
+                               time_chunk(lambda: triton_attn.paged_attention(**inputs, num_splits=1)))
             if not triton_prefill_tma.pages_fit(inputs["q"], inputs["k_cache"], inputs["v_cache"]):
                 continue
             for block_m, block_n, warps, stages, ws in json.loads(args.tma_tiles):
