@@ -81,16 +81,18 @@ def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stage
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK):
+def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK,
+                    warp_specialize: bool = False):
     """A bf16 prefill tile: `triton_attn`'s gather kernel over pages of PAGE_SIZE, or ("tma")
-    `triton_prefill_tma`'s over pages of its BLOCK_N's smallest multiple of 64."""
+    `triton_prefill_tma`'s over pages of its BLOCK_N's smallest multiple of 64 (its loop warp-specialized
+    where `warp_specialize`)."""
     common = dict(QPK=qpk, QPK_PAD=qpk, BLOCK_Q=block_m // qpk, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=HEAD_DIM,
                   PDL=True)
     rows = dict(out_ptr="*bf16", q_ptr="*bf16", cu_seqlens_q_ptr="*i32", seq_lens_k_ptr="*i32",
                 block_tables_ptr="*i32")
     if kernel == "tma":
         desc = f"tensordesc<bf16[{block_n}, {HEAD_DIM}]>"
-        consts = dict(common, PAGE_SIZE=max(64, block_n), LOOP_STAGES=stages, WARP_SPECIALIZE=False)
+        consts = dict(common, PAGE_SIZE=max(64, block_n), LOOP_STAGES=stages, WARP_SPECIALIZE=warp_specialize)
         return _compile(tma._prefill_tma_kernel, consts, dict(rows, k_desc=desc, v_desc=desc),
                         ("stride_qt", "stride_qh", "stride_ot", "stride_oh"), warps, stages, arch)
     consts = dict(common, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False, DOT_PRECISION="tf32",
@@ -101,8 +103,9 @@ def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages:
     return _compile(ta._unified_attention_kernel, consts, pointers, ALIGNED[:-1], warps, stages, arch)
 
 
-def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None) -> None:
-    """Registers, shared memory, spills and copy/product instruction counts of each prefill tile, both kernels."""
+def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None, check_ws: bool = False) -> None:
+    """Registers, shared memory, spills and copy/product instruction counts of each prefill tile, both kernels;
+    with `check_ws`, whether the TMA tile's warp-specialized loop compiles to other machine code."""
     engine = (ta.PREFILL_LARGE_BLOCK_M, ta.PREFILL_LARGE_BLOCK_N, ta.PREFILL_LARGE_NUM_WARPS, ta.PREFILL_LARGE_NUM_STAGES)
     for tile in [tuple(int(x) for x in t.split("/")) for t in tiles.split(",") if t] or [engine]:
         for kernel in ("gather", "tma"):
@@ -118,6 +121,16 @@ def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None) -> None:
                   f"spill stores {spills}, TMA copies {ops['UTMALDG']}, "
                   f"cp.async {ops['LDGSTS']}, wgmma {ops['HGMMA']}; first loop {sum(loop.values())} instructions, "
                   f"{loop_local} local loads/stores, {sum(n for op, n in loop.items() if op.startswith('HGMMA'))} wgmma")
+            if check_ws and kernel == "tma":
+                try:
+                    ws = compile_prefill(kernel, *tile, arch, qpk, warp_specialize=True)
+                except RuntimeError as e:  # Triton's warp-specialization pass may fail on a kernel
+                    print(f"   warp-specialized loop: failed to compile ({str(e).splitlines()[0]})")
+                    continue
+                ws_sass = sass_of(ws, keep, name + "_ws")[0]
+                same = ws_sass.replace(name + "_ws", name) == sass
+                print(f"   warp-specialized loop: {'the same' if same else 'other'} machine code "
+                      f"(TTGIR {'the same' if ws.asm['ttgir'] == compiled.asm['ttgir'] else 'differs'})")
 
 
 def engine_maxnreg(kv: str, layout: str, opaque_v_cast: bool) -> int | None:
@@ -188,12 +201,14 @@ def main() -> None:
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
+    ap.add_argument("--check-warp-specialize", action="store_true",
+                    help="with --prefill: also compile each TMA tile's loop warp-specialized and compare")
     args = ap.parse_args()
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
     print(f"triton {triton.__version__}, sm_{args.arch}")
     if args.prefill:
-        print_prefill(args.tiles, args.arch, args.qpk, args.keep)
+        print_prefill(args.tiles, args.arch, args.qpk, args.keep, args.check_warp_specialize)
         return
     for spec in args.kv.split(","):
         kv, _, layout = spec.partition(":")
