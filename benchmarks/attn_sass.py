@@ -17,6 +17,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py --kv fp8,fp8:mma                # fp8 tile against fp8 tensor-core products
     python benchmarks/attn_sass.py --kv auto,fp8 --qpk 4          # Qwen3-8B's groups of 4 query heads
     python benchmarks/attn_sass.py --prefill --tiles 256/64/8/3,128/64/4/3   # prefill: gather vs TMA kernel
+    python benchmarks/attn_sass.py --kv auto,fp8 --fused-rope     # decode tiles with the RoPE fused in
 
 `--prefill` compiles the bf16 prefill tiles instead (BLOCK_M/BLOCK_N/warps/stages, default the engine's large
 tile), each for `triton_attn`'s gather kernel (pages of 16) and for `triton_prefill_tma`'s (pages of 64), and
@@ -45,10 +46,11 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
 
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
                    maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK,
-                   opaque_v_cast: bool = True, opaque_k_cast: bool = False):
+                   opaque_v_cast: bool = True, opaque_k_cast: bool = False, rope: bool = False):
     """The unified kernel's decode tile (fp8_mma: DECODE_FP8_QUERY_QUANT's, both products on the fp8
     tensor cores; pv_mma: DECODE_FP8_PV_MMA's, P V only; opaque_v_cast: DECODE_FP8_OPAQUE_V_CAST's
-    form of an fp8 tile, else the added zero; opaque_k_cast: DECODE_FP8_OPAQUE_K_CAST's)."""
+    form of an fp8 tile, else the added zero; opaque_k_cast: DECODE_FP8_OPAQUE_K_CAST's; rope:
+    DECODE_FUSED_ROPE's, with the q/k norm)."""
     fn = ta._unified_attention_kernel
     fp8 = kv != "auto"
     opaque = fp8 and opaque_v_cast and not (v_key_minor or fp8_mma or pv_mma)  # as triton_attn._opaque_casts
@@ -56,14 +58,16 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
                   HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False,
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
                   FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=opaque, OPAQUE_K_CAST=opaque and opaque_k_cast,
-                  PDL=True)
+                  ROPE=rope, QK_NORM=rope, OPAQUE_Q=rope, FP8_MAX=448.0 if fp8 else 0.0, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
                     k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
-                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
+                    q_w_ptr="*bf16", k_w_ptr="*bf16")
     names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("scale_log2", "rope_eps") else "i32")
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
@@ -200,6 +204,7 @@ def main() -> None:
     ap.add_argument("--opaque-k", action="store_true", help="fp8 tiles with K behind the identity too")
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
+    ap.add_argument("--fused-rope", action="store_true", help="decode tiles with DECODE_FUSED_ROPE's q/k norm + RoPE")
     ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
     ap.add_argument("--check-warp-specialize", action="store_true",
                     help="with --prefill: also compile each TMA tile's loop warp-specialized and compare")
@@ -220,7 +225,7 @@ def main() -> None:
             maxnreg = engine_maxnreg(kv, layout, not args.added_zero) if args.maxnreg is None else args.maxnreg or None
             kernel = compile_decode(kv, block_n, warps, stages, args.arch, layout in ("vkm", "mma", "pv"), maxnreg,
                                     layout == "mma", layout == "pv", args.qpk, not args.added_zero,
-                                    args.opaque_k)
+                                    args.opaque_k, args.fused_rope)
             sass, usage = sass_of(kernel, args.keep, name)
             loop = collections.Counter(first_loop(sass))
             regs = re.search(r"REG:(\d+)", usage)

@@ -27,7 +27,7 @@ step() {
 step tests "$PYTHON" benchmarks/pytest_shards.py tests/test_triton_attn.py tests/test_triton_ops.py \
     tests/test_triton_sampling.py tests/test_sampling_exact.py tests/test_sampling.py \
     tests/test_gpu_engine.py tests/test_multi_step.py tests/test_engine_heap.py tests/test_warmup_gpu.py \
-    tests/test_skinny_gemm.py tests/test_pdl.py
+    tests/test_skinny_gemm.py tests/test_pdl.py tests/test_fused_rope_gpu.py
 step bench_kernels "$PYTHON" benchmarks/bench_kernels.py ${BENCH_KERNELS_ARGS:-}
 step bench_offline "$PYTHON" benchmarks/bench_offline.py
 step bench_offline_1step "$PYTHON" benchmarks/bench_offline.py --num-scheduler-steps 1

@@ -190,6 +190,91 @@ def test_large_prefill_tile(poisoned_kernels, gen, monkeypatch, case):
     _check_paged_attention(poisoned_kernels, gen, batch, torch.float16, head_dim ** -0.5, **kwargs)
 
 
+# A decode batch for the fused RoPE: contexts (the new token included) of one key, of a split
+# boundary and longer; heads, KV heads, head size, block size, splits
+FUSED_ROPE_CASES = {
+    "qk_norm_splits3": ([1, 16, 33, 200], 4, 2, 32, 16, 3),
+    "plain_qpk3_bs8": ([5, 64, 129], 6, 2, 16, 8, 2),
+}
+
+
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"], ids=["cache16", "cache_fp8"])
+@pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
+def test_decode_fused_rope_same_bits(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
+    """A decode batch's q/k norm + RoPE and K/V store inside the decode tile (DECODE_FUSED_ROPE) give
+    the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention."""
+    from nanovllm.kernels import fused_ops, triton_ops
+    monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
+    monkeypatch.setattr(kernels, "DECODE_FMA_FP8", False)  # the tensor-core decode tile for the fp8 cache too
+    ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = FUSED_ROPE_CASES[case]
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    batch = _make_batch(gen, [(c - 1, 1) for c in ctx_lens], num_heads, num_kv_heads, head_dim, block_size, dtype)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    num_seqs = len(ctx_lens)
+    k = _randn(gen, num_seqs, num_kv_heads, head_dim, dtype=dtype)
+    v = _randn(gen, num_seqs, num_kv_heads, head_dim, dtype=dtype)
+    positions = (batch["seq_lens_k"] - 1).to(torch.int64)
+    blocks = batch["block_tables"].gather(1, (positions // block_size).view(-1, 1)).view(-1).to(torch.int64)
+    slots = blocks * block_size + positions % block_size
+    cos_sin = _randn(gen, max(ctx_lens), head_dim, dtype=torch.float32)
+    q_w = _randn(gen, head_dim, dtype=dtype) if with_norm else None
+    k_w = _randn(gen, head_dim, dtype=dtype) if with_norm else None
+    scales = {}
+    if cache_dtype is not None:
+        fp8 = getattr(torch, cache_dtype)
+        batch["k_cache"], batch["v_cache"] = batch["k_cache"].to(fp8), batch["v_cache"].to(fp8)
+        scales = dict(k_scale=torch.rand(num_kv_heads, generator=gen).add(0.5).to(DEVICE),
+                      v_scale=torch.rand(num_kv_heads, generator=gen).add(0.5).to(DEVICE))
+    q = batch.pop("q")
+    args = dict(**batch, scale=head_dim ** -0.5, max_seqlen_q=1, num_splits=splits, **scales)
+
+    def store(k_cache, v_cache):
+        return fused_ops.KVStore(v, k_cache, v_cache, slots, scales.get("k_scale"), scales.get("v_scale"))
+    ref_q, ref_k = q.clone(), k.clone()
+    ref_caches = {"k_cache": batch["k_cache"].clone(), "v_cache": batch["v_cache"].clone()}
+    triton_ops.qk_norm_rope_(ref_q, ref_k, positions, cos_sin, q_w, k_w, 1e-6, store(**ref_caches))
+    expected = kernels.paged_attention(ref_q, **{**args, **ref_caches})
+
+    assert kernels.fuses_decode_rope(q, batch["k_cache"], 1)
+    rope = fused_ops.DecodeRope(k.clone(), positions, cos_sin, q_w, k_w, 1e-6, store(batch["k_cache"], batch["v_cache"]))
+    got = kernels.paged_attention(q.clone(), **args, rope=rope)
+    seed = f"seed {gen.initial_seed()}"
+    for name, cache in ref_caches.items():  # NaN-poisoned slots stay NaN in both: compare as bytes
+        assert torch.equal(batch[name].view(torch.uint8), cache.view(torch.uint8)), f"{name}, {seed}"
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), seed
+
+
+def test_split_of_last_key_holds_it(kernels):
+    """The split the fused RoPE's store is left to is the one whose tiles (split_tile_range's share)
+    hold the new key, for contexts around tile and split boundaries: under the interpreter programs
+    run one after another, so a wrong split would still read the key written, and only this checks it."""
+    from split_probe import splits_kernel
+    block_n = 16
+    for num_splits in (1, 2, 3, 5, 48):
+        for kv_end in (1, 15, 16, 17, 31, 33, 100, 257):
+            out = torch.zeros(2 * num_splits + 1, dtype=torch.int32, device=DEVICE)
+            splits_kernel[(num_splits,)](out, kv_end, num_splits, BLOCK_N=block_n)
+            spans, chosen = out[:-1].view(-1, 2).tolist(), int(out[-1])
+            last_tile = (kv_end - 1) // block_n
+            holders = [i for i, (begin, end) in enumerate(spans) if begin <= last_tile < end]
+            assert holders == [chosen], (num_splits, kv_end, spans, chosen)
+
+
+def test_fused_rope_only_where_the_decode_tile_runs(kernels, monkeypatch):
+    """fuses_decode_rope: off by default; on, only for decode-only batches on the decode tile."""
+    q = torch.zeros(2, 4, 32, dtype=torch.float16)
+    cache16 = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
+    assert not kernels.fuses_decode_rope(q, cache16, 1)
+    monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
+    assert kernels.fuses_decode_rope(q, cache16, 1)
+    assert not kernels.fuses_decode_rope(q, cache16, 2)  # a batch with prefill tokens
+    assert not kernels.fuses_decode_rope(torch.zeros(2, 4, 48, dtype=torch.float16),
+                                         torch.zeros(4, 16, 2, 48, dtype=torch.float16), 1)
+    if hasattr(torch, "float8_e4m3fn"):  # an fp8 cache's decodes run triton_decode_fma by default
+        assert not kernels.fuses_decode_rope(q, cache16.to(torch.float8_e4m3fn), 1)
+
+
 # Pages of whole 64-key tiles (triton_prefill_tma.BLOCK_N): prefills, a chunk over a prefix that
 # ends inside a tile, decode rows beside them, a group of 3 query heads padded to 4, pages of two
 # tiles; every page's slots past its context are NaN.

@@ -26,6 +26,18 @@ class KVStore(NamedTuple):
     v_scale: torch.Tensor | None = None
 
 
+class DecodeRope(NamedTuple):
+    """A decode step's q/k norm + RoPE and K/V store, handed to an attention backend that does them
+    inside its decode kernel (triton_attn.fuses_decode_rope) instead of `norm_rope`."""
+    k: torch.Tensor                  # [num_tokens, num_kv_heads, head_dim], before norm and RoPE
+    positions: torch.Tensor          # [num_tokens]
+    cos_sin_cache: torch.Tensor      # [max_position, head_dim] float32 (cos | sin halves)
+    q_weight: torch.Tensor | None    # [head_dim]: the per-head q/k RMSNorm's weights (Qwen3), or None
+    k_weight: torch.Tensor | None
+    eps: float
+    kv_store: KVStore                # where the rotated keys and the values go
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given."""
     if x.is_cuda and x.dim() == 2:

@@ -71,7 +71,8 @@ counts, head size, block size, dtype, cache dtype: an fp8 cache has its own deco
 DECODE_FP8_*; the prefill tile PREFILL_* or, with PREFILL_LARGE_TILE, PREFILL_LARGE_* for a
 16-bit cache on Hopper or later) the attention kernel has 4, decode or prefill tiles times split or not
 (`IS_SPLIT`; the split count itself is a run-time argument), the combine kernel 1, the
-store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead.
+store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead. With
+DECODE_FUSED_ROPE (set before an engine starts) the decode tiles are its ROPE ones, as many.
 The cache layout is fixed when the cache is allocated, so the strides Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
 """
@@ -82,8 +83,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma, triton_prefill_tma
+from nanovllm.kernels.fused_ops import DecodeRope
+from nanovllm.kernels.triton_kv_write import load_cos_sin, norm_rope_halves, quantize_fp8, store_kv_rows
 from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
-                                                 split_tile_range, store_rows)
+                                                 split_of_last_key, split_tile_range, store_rows)
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
@@ -218,6 +221,13 @@ DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed 
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
 # 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
 DECODE_FMA_MAX_GROUP = 2
+# A decode step's q/k norm + RoPE and its K/V store inside the decode tile (`paged_attention`'s `rope`;
+# `fuses_decode_rope`) instead of a kernel of their own before it: one launch fewer a layer, where a
+# one-sequence decode step is a chain of ~7 short kernels a layer (0.067 ms of its 0.892 ms were that
+# kernel's, RESULTS.md "Twenty-third session"). Every program normalizes and rotates its own query rows;
+# the program whose split holds the new key writes it, then reads it back in its last tile. Off: built
+# and tested against the unfused path under the interpreter, not yet timed on a GPU.
+DECODE_FUSED_ROPE = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -251,13 +261,6 @@ CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
 # 64 x 8 2.13 / 2.69; 8 x 8 1.49 / 1.92 (4 splits a read: 3.55, 2.93, 2.24, 1.69).
 COMBINE_SPLITS_BLOCK = 8
 COMBINE_NUM_WARPS = 1
-
-
-@triton.jit
-def quantize_fp8(x, scale, out_dtype: tl.constexpr, FP8_MAX: tl.constexpr):
-    """fp8(clamp(x / scale)), as `kv_quant.quantize`: x [..., D]; scale broadcasts over it."""
-    y = x.to(tl.float32) / scale
-    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(out_dtype)
 
 
 def fp8_max(cache: torch.Tensor) -> float:
@@ -415,6 +418,38 @@ def _quantize_rows_e4m3(x):
     return y.to(tl.float8e4nv), scale
 
 
+@triton.jit
+def _rope_q_tile(q_ptr, tokens, head, row_ok, stride_qt, stride_qh, w_ptr, cos, sin, eps,
+                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """The tile's query rows, normed (QK_NORM) and rotated as triton_ops' RoPE kernel does them.
+    # [BLOCK_M, HEAD_DIM]"""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    base = q_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, HALF)[None, :]
+    y1, y2 = norm_rope_halves(tl.load(base, mask=row_ok[:, None], other=0.0),
+                              tl.load(base + HALF, mask=row_ok[:, None], other=0.0), w_ptr, cos, sin, eps,
+                              HALF, QK_NORM)
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], HEAD_DIM))
+
+
+@triton.jit
+def _store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                  v_scale_ptr, k_w_ptr, cos, sin, eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
+                  FP8_MAX: tl.constexpr):
+    """Decode token `token`'s key of `kv_head` normed and rotated, and its value, written into its
+    cache slot (none for slot -1), as triton_ops' RoPE kernel writes them."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        k_src = k_new_ptr + token * stride_knt + kv_head * stride_knh + tl.arange(0, HALF)[None, :]
+        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, cos, sin, eps, HALF, QK_NORM)
+        heads = kv_head + tl.zeros([1, 1], dtype=tl.int32)  # [1, 1]
+        store_kv_rows(k1, k2, v_new_ptr + token * stride_vnt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                      slot, heads, heads >= 0, stride_vnh, stride_kb, stride_kr, stride_kh,
+                      stride_vb, stride_vr, stride_vh, stride_vd, HALF, PAGE_SIZE, KV_FP8, FP8_MAX)
+
+
 @triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -423,13 +458,21 @@ def _unified_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
+        k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, rope_eps,
+        stride_knt, stride_knh, stride_vnt, stride_vnh,
         QPK: tl.constexpr, QPK_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
-        PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr, PDL: tl.constexpr):
+        PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr,
+        ROPE: tl.constexpr, QK_NORM: tl.constexpr, OPAQUE_Q: tl.constexpr, FP8_MAX: tl.constexpr,
+        PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
+
+    ROPE (decode tiles, DECODE_FUSED_ROPE): q, and the new key and value at `k_new_ptr` /
+    `v_new_ptr`, are this step's before q/k norm (QK_NORM) and RoPE; the program whose split holds
+    the new key stores it into the cache first.
 
     Programs start in grid order, so all heads and splits of one sequence run side by
     side: they share its block-table rows, and the cache rows they read lie together
@@ -453,8 +496,21 @@ def _unified_attention_kernel(
     head = kv_head * QPK + rows % QPK_PAD                         # [BLOCK_M] query head of each row
     row_ok = (q_idx < q_len) & (rows % QPK_PAD < QPK)
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
-    q = load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
-                     HEAD_DIM, HEAD_DIM_PAD)                      # [BLOCK_M, HEAD_DIM_PAD]
+    if ROPE:  # a decode step: one query token, at q_start
+        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + q_start), HEAD_DIM // 2)
+        q = _rope_q_tile(q_ptr, q_start + q_idx, head, row_ok, stride_qt, stride_qh, q_w_ptr, cos, sin,
+                         rope_eps, HEAD_DIM, QK_NORM)            # [BLOCK_M, HEAD_DIM]
+        if OPAQUE_Q:  # as if loaded: K then reaches the product through ldmatrix again (bf16 tile's loop: 650
+            q = _opaque_identity(q)  # instructions, 648 unfused, 789 without this; triton 3.6: attn_sass.py)
+        if split == split_of_last_key(ctx_len, num_splits, BLOCK_N):  # this split's tiles hold the new key
+            _store_new_kv(k_new_ptr, v_new_ptr, q_start, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                          v_scale_ptr, k_w_ptr, cos, sin, rope_eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                          stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                          HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
+            tl.debug_barrier()  # the key and value written are visible to the program's loads below
+    else:
+        q = load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
+                        HEAD_DIM, HEAD_DIM_PAD)                  # [BLOCK_M, HEAD_DIM_PAD]
     if FP16_PRODUCTS:  # an fp8 cache with 16-bit queries
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
 
@@ -678,7 +734,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                     num_splits: int | None = None, out: torch.Tensor | None = None,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, rope: DecodeRope | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context.
 
     q:            [num_tokens, num_heads, head_dim] (last dim contiguous)
@@ -696,6 +752,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     bake the one chosen at capture.
       out:          [num_tokens, num_heads, head_dim] buffer to write into.
       k_scale, v_scale: [num_kv_heads] float32, for an fp8 cache.
+      rope:         where `fuses_decode_rope`: q and rope.k are this step's before q/k norm and RoPE,
+                    and this step's K/V are not yet in the cache; the decode tile does both.
     Returns:      out, [num_tokens, num_heads, head_dim]
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -713,6 +771,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_seqlen_q = num_tokens - num_seqs + 1
     qpk = num_heads // num_kv_heads
     kv_fp8 = _check_scales(k_cache, k_scale, v_scale)
+    assert rope is None or fuses_decode_rope(q, k_cache, max_seqlen_q), "the caller checks fuses_decode_rope"
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
@@ -740,10 +799,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1], IS_SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
-        FP8_MMA=fp8_mma, PV_MMA=pv_mma, **opaque, **cfg, **launch_options(q.device))
+        FP8_MMA=fp8_mma, PV_MMA=pv_mma, **_rope_args(rope, q, k_cache, seq_lens_k), **opaque, **cfg,
+        **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
+
+
+def fuses_decode_rope(q: torch.Tensor, k_cache: torch.Tensor, max_seqlen_q: int) -> bool:
+    """Whether `paged_attention` takes a batch's q/k norm + RoPE and K/V store (`rope`): with
+    DECODE_FUSED_ROPE, a decode-only batch on the decode tile (not `triton_decode_fma`, nor an fp8
+    tensor-core tile), heads of a power-of-two size."""
+    if not DECODE_FUSED_ROPE or max_seqlen_q != 1:
+        return False
+    head_dim, qpk = q.shape[-1], q.shape[1] // k_cache.shape[2]
+    kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
+    if _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk) or _fp8_mma(
+            k_cache.dtype, q.dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA):
+        return False
+    return head_dim >= MIN_DOT_DIM and head_dim & (head_dim - 1) == 0
+
+
+def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_cache: torch.Tensor, seq_lens_k: torch.Tensor) -> dict:
+    """The attention kernel's RoPE arguments: `rope`'s tensors, or (no rope) any tensors of the
+    same kinds, which the kernel leaves unread."""
+    if rope is None:
+        return dict(k_new_ptr=q, v_new_ptr=q, pos_ptr=seq_lens_k, slot_ptr=seq_lens_k, cos_sin_ptr=q,
+                    q_w_ptr=q, k_w_ptr=q, rope_eps=0.0, stride_knt=q.stride(0), stride_knh=q.stride(1),
+                    stride_vnt=q.stride(0), stride_vnh=q.stride(1), ROPE=False, QK_NORM=False, OPAQUE_Q=False,
+                    FP8_MAX=0.0)
+    k, v = rope.k, rope.kv_store.value
+    assert rope.kv_store.k_cache is k_cache and k.stride(2) == 1 and v.stride(2) == 1
+    return dict(k_new_ptr=k, v_new_ptr=v, pos_ptr=rope.positions, slot_ptr=rope.kv_store.slot_mapping,
+                cos_sin_ptr=rope.cos_sin_cache, q_w_ptr=q if rope.q_weight is None else rope.q_weight,
+                k_w_ptr=q if rope.k_weight is None else rope.k_weight, rope_eps=rope.eps,
+                stride_knt=k.stride(0), stride_knh=k.stride(1), stride_vnt=v.stride(0), stride_vnh=v.stride(1),
+                ROPE=True, QK_NORM=rope.q_weight is not None, OPAQUE_Q=_runs_ptx(q), FP8_MAX=fp8_max(k_cache))
 
 
 def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor,
@@ -766,10 +857,15 @@ def _opaque_casts(casts_fp8: bool, q: torch.Tensor) -> dict:
     assembly): per DECODE_FP8_OPAQUE_K_CAST / _V_CAST, where the tile casts an fp8 cache to 16 bits
     (`casts_fp8`: an fp8 cache whose tiles are converted, not fed to the fp8 tensor cores) on an
     NVIDIA GPU, not under Triton's interpreter (which runs no assembly)."""
-    applies = (casts_fp8 and q.dtype != torch.float32 and q.is_cuda and torch.version.hip is None
-               and not triton.knobs.runtime.interpret)
+    applies = casts_fp8 and q.dtype != torch.float32 and _runs_ptx(q)
     v_cast = applies and DECODE_FP8_OPAQUE_V_CAST
     return dict(OPAQUE_K_CAST=v_cast and DECODE_FP8_OPAQUE_K_CAST, OPAQUE_V_CAST=v_cast)
+
+
+def _runs_ptx(q: torch.Tensor) -> bool:
+    """Whether the kernels run as NVIDIA PTX (`_opaque_identity`'s inline assembly): not under
+    Triton's interpreter, not on ROCm."""
+    return q.is_cuda and torch.version.hip is None and not triton.knobs.runtime.interpret
 
 
 def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fused_ops import KVStore
-from nanovllm.kernels.triton_attn import _check_scales, _check_v_layout, fp8_max, quantize_fp8
+from nanovllm.kernels.triton_attn import _check_scales, _check_v_layout, fp8_max
+from nanovllm.kernels.triton_kv_write import load_cos_sin, norm_rope_halves, store_kv_rows
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 
@@ -98,34 +99,12 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
     base = x_ptr + token * stride_t + heads * stride_h
-    x1 = tl.load(base + dims, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF + dims, mask=mask, other=0.0)
-    if HAS_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        inv_rms = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + dims)
-        w2 = tl.load(w_ptr + HALF + dims)
-        x1 = w1 * (f1 * inv_rms[:, None]).to(x1.dtype)
-        x2 = w2 * (f2 * inv_rms[:, None]).to(x2.dtype)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    y1 = (f1 * cos - f2 * sin).to(x1.dtype)
-    y2 = (f2 * cos + f1 * sin).to(x1.dtype)
+    y1, y2 = norm_rope_halves(tl.load(base + dims, mask=mask, other=0.0),
+                              tl.load(base + HALF + dims, mask=mask, other=0.0), w_ptr, cos, sin, eps,
+                              HALF, HAS_NORM)
     tl.store(base + dims, y1, mask=mask)
     tl.store(base + HALF + dims, y2, mask=mask)
     return y1, y2
-
-
-@triton.jit
-def _store_fp8_rows(row_ptr, x1, x2, scale_ptrs, mask, stride_d, HALF: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Store the two halves [BLOCK_KH, HALF] of a token's heads at `row_ptr` (+ head offsets),
-    quantized with each head's scale (`scale_ptrs`: [BLOCK_KH, 1]). A function of its own:
-    Triton's compiler refuses a variable whose type changes inside the caller's run-time
-    `if` (the interpreter does not check this)."""
-    dims = tl.arange(0, HALF)[None, :] * stride_d
-    scale = tl.load(scale_ptrs, mask=mask, other=1.0)
-    tl.store(row_ptr + dims, quantize_fp8(x1, scale, row_ptr.dtype.element_ty, FP8_MAX), mask=mask)
-    tl.store(row_ptr + HALF * stride_d + dims, quantize_fp8(x2, scale, row_ptr.dtype.element_ty, FP8_MAX),
-             mask=mask)
 
 
 @triton.jit
@@ -145,10 +124,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims)
-    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims)
+    cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), HALF)
     if tl.program_id(1) == 0:
         _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
                          HALF, HAS_NORM, BLOCK_QH)
@@ -169,28 +145,15 @@ def _rope_k_and_store(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num
                       STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
                       KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """A token's k heads normed and rotated in place; with STORE_KV, k and v into the cache."""
-    dims = tl.arange(0, HALF)[None, :]
     k1, k2 = _norm_rope_heads(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num_k_heads, eps,
                               HALF, HAS_NORM, BLOCK_KH)
     if STORE_KV:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             heads = tl.arange(0, BLOCK_KH)[:, None]
-            mask = heads < num_k_heads
-            row = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cr + heads * stride_ch
-            v_cache_row = (slot // PAGE_SIZE) * stride_vcb + (slot % PAGE_SIZE) * stride_vcr + heads * stride_vch
-            v_row = v_ptr + token * stride_vt + heads * stride_vh
-            if KV_FP8:  # V may be key-minor within its block (triton_attn.new_kv_cache): stride_vcd
-                _store_fp8_rows(k_cache_ptr + row, k1, k2, k_scale_ptr + heads, mask, 1, HALF, FP8_MAX)
-                _store_fp8_rows(v_cache_ptr + v_cache_row, tl.load(v_row + dims, mask=mask),
-                                tl.load(v_row + HALF + dims, mask=mask), v_scale_ptr + heads, mask,
-                                stride_vcd, HALF, FP8_MAX)
-            else:
-                tl.store(k_cache_ptr + row + dims, k1, mask=mask)
-                tl.store(k_cache_ptr + row + HALF + dims, k2, mask=mask)
-                v_dst = v_cache_ptr + v_cache_row
-                tl.store(v_dst + dims * stride_vcd, tl.load(v_row + dims, mask=mask), mask=mask)
-                tl.store(v_dst + (HALF + dims) * stride_vcd, tl.load(v_row + HALF + dims, mask=mask), mask=mask)
+            store_kv_rows(k1, k2, v_ptr + token * stride_vt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                          slot, heads, heads < num_k_heads, stride_vh, stride_cb, stride_cr, stride_ch,
+                          stride_vcb, stride_vcr, stride_vch, stride_vcd, HALF, PAGE_SIZE, KV_FP8, FP8_MAX)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

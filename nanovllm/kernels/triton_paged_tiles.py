@@ -63,6 +63,14 @@ def split_tile_range(kv_end, seen_by_all, split, num_splits, BLOCK_N: tl.constex
 
 
 @triton.jit
+def split_of_last_key(kv_end, num_splits, BLOCK_N: tl.constexpr):
+    """The split (as `split_tile_range` shares out the tiles below key `kv_end`) whose tiles hold
+    key kv_end - 1."""
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    return (num_tiles - 1) // tl.cdiv(num_tiles, num_splits)
+
+
+@triton.jit
 def load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Queries of the tile's rows.  # [BLOCK_M, HEAD_DIM_PAD]"""

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.kernels.fused_ops import KVStore, norm_rope
+from nanovllm.kernels.fused_ops import DecodeRope, KVStore, norm_rope
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -96,3 +96,11 @@ class RotaryEmbedding(nn.Module):
             return norm_rope(q, k, positions, self.cos_sin_cache, kv_store=kv_store)
         return norm_rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps,
                          kv_store=kv_store)
+
+    def for_attention(self, positions: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None,
+                      k_norm: nn.Module | None, kv_store: KVStore) -> DecodeRope:
+        """What `forward` would do, handed to an attention backend that does it inside its decode
+        kernel (Attention.fuses_rope): k [num_tokens, kv_heads, d] before norm and RoPE."""
+        if q_norm is None:
+            return DecodeRope(k, positions, self.cos_sin_cache, None, None, 0.0, kv_store)
+        return DecodeRope(k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps, kv_store)

@@ -53,8 +53,11 @@ class DecoderAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         store = self.attn.kv_store(v)  # on the GPU, RoPE writes K/V into the cache
-        q, k = self.rotary_emb(positions, q, k, getattr(self, "q_norm", None), getattr(self, "k_norm", None),
-                               kv_store=store)
+        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+        if store is not None and self.attn.fuses_rope(q):  # the decode kernel does the norm, RoPE and store
+            return self.o_proj(self.attn(q, k, v, rope=self.rotary_emb.for_attention(positions, k, q_norm, k_norm,
+                                                                                     store)))
+        q, k = self.rotary_emb(positions, q, k, q_norm, k_norm, kv_store=store)
         return self.o_proj(self.attn(q, k, v, kv_stored=store is not None))
 
 

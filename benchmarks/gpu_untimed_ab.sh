@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The changes built without a GPU and not yet timed on one, against the engine's defaults, on one GPU:
+# the TMA prefill kernel (kernels/triton_prefill_tma.py), the prefill split target
+# (triton_attn.PREFILL_TARGET_PROGRAMS_PER_SM) and the decode tile with the q/k norm + RoPE + K/V store
+# fused in (triton_attn.DECODE_FUSED_ROPE); the first and the last are off by default until this has run.
+# One command may run 10 minutes on the device: three calls of ~4-6 minutes on a fresh H200,
+# STEPS="tests kernels", STEPS="ttft", STEPS="b1". One log per step under $OUT. Steps (STEPS):
+#   tests     the attention kernel tests natively (the TMA kernel and the fused RoPE included), and the
+#             fused RoPE through the engine (same bits as the separate kernel)
+#   kernels   bench_prefill_attention.py: one 8k chunk of a 32k prompt (the first and the last), gather
+#             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16 and 64
+#   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), five ways:
+#             defaults (pages of 16, gather, prefill split by the decode target); prefill unsplit
+#             (PREFILL_TARGET_PROGRAMS_PER_SM 1); pages of 64 with the TMA kernel; pages of 64 without;
+#             the fused RoPE (its decode tok/s against the defaults')
+#   b1        bench_offline.py (B1, bf16, no tokenizer: A/Bs, not the goal's figure): defaults, pages of
+#             64 with the TMA kernel (what a larger default page would cost or give), the fused RoPE
+#
+#   STEPS="tests kernels" bash benchmarks/gpu_untimed_ab.sh
+#   STEPS=ttft bash benchmarks/gpu_untimed_ab.sh
+#   STEPS=b1 bash benchmarks/gpu_untimed_ab.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_untimed_ab}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests kernels ttft b1"}
+TMA='"triton_prefill_tma.ENABLED":true'
+VARIANTS=(  # name, then arguments
+  "default|"
+  "unsplit|--attn-constants {\"PREFILL_TARGET_PROGRAMS_PER_SM\":1}"
+  "tma64|--kvcache-block-size 64 --attn-constants {$TMA}"
+  "gather64|--kvcache-block-size 64"
+  "rope|--attn-constants {\"DECODE_FUSED_ROPE\":true}"
+)
+B1_VARIANTS=(default tma64 rope)
+
+run_step() {  # name, time limit (s), command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit} s): $*"
+  timeout "$limit" "$@" 2>&1 | grep -v "Warning\|it/s" | tee "$OUT/$name.log"
+}
+
+variant_args() {  # the arguments of variant $1
+  local v
+  for v in "${VARIANTS[@]}"; do
+    [ "${v%%|*}" = "$1" ] && echo "${v#*|}" && return
+  done
+}
+
+for step in $STEPS; do
+  case $step in
+    tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py ;;
+    kernels) run_step kernels 420 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64 ;;
+    ttft)
+      for v in "${VARIANTS[@]}"; do
+        # shellcheck disable=SC2046  # each variant is a list of arguments
+        run_step "ttft_${v%%|*}" 150 python3 benchmarks/bench_long_context.py --splits '' $(variant_args "${v%%|*}")
+      done ;;
+    b1)
+      for name in "${B1_VARIANTS[@]}"; do
+        # shellcheck disable=SC2046
+        run_step "b1_$name" 150 python3 benchmarks/bench_offline.py $(variant_args "$name")
+      done ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
