@@ -40,6 +40,7 @@ from nanovllm.kernels import triton_prefill_tma as tma  # noqa: E402
 
 KV_POINTER = {"auto": "*bf16", "fp8": "*fp8e4nv", "fp8_e4m3": "*fp8e4nv", "fp8_e5m2": "*fp8e5"}
 QPK, HEAD_DIM, PAGE_SIZE = 2, 128, 16  # QPK: query heads per KV head (--qpk)
+FLOAT_ARGS = ("scale_log2", "rope_eps")  # the attention kernel's float (not int) run-time scalars
 ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kr", "stride_kh",
            "stride_vb", "stride_vr", "stride_vh", "stride_vd")  # strides Triton sees as multiples of 16 in the engine
 
@@ -67,7 +68,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
                     k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
                     q_w_ptr="*bf16", k_w_ptr="*bf16")
     names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("scale_log2", "rope_eps") else "i32")
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
@@ -77,7 +78,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
 def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stages: int, arch: int):
     """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints."""
     names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n in aligned or pointers.get(n, "").startswith("*")}
@@ -101,16 +102,19 @@ def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages:
                         ("stride_qt", "stride_qh", "stride_ot", "stride_oh"), warps, stages, arch)
     consts = dict(common, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False, DOT_PRECISION="tf32",
                   KV_FP8=False, FP16_PRODUCTS=False, V_KEY_MINOR=False, FP8_MMA=False, PV_MMA=False,
-                  OPAQUE_V_CAST=False, OPAQUE_K_CAST=False, stride_vd=1)
+                  OPAQUE_V_CAST=False, OPAQUE_K_CAST=False, ROPE=False, QK_NORM=False, OPAQUE_Q=False, FP8_MAX=0.0,
+                  stride_vd=1)
     pointers = dict(rows, part_out_ptr="*fp32", part_lse_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
-                    k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i32",
+                    slot_ptr="*i32", cos_sin_ptr="*bf16", q_w_ptr="*bf16", k_w_ptr="*bf16")
     return _compile(ta._unified_attention_kernel, consts, pointers, ALIGNED[:-1], warps, stages, arch)
 
 
 def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None, check_ws: bool = False) -> None:
     """Registers, shared memory, spills and copy/product instruction counts of each prefill tile, both kernels;
     with `check_ws`, whether the TMA tile's warp-specialized loop compiles to other machine code."""
-    engine = (ta.PREFILL_LARGE_BLOCK_M, ta.PREFILL_LARGE_BLOCK_N, ta.PREFILL_LARGE_NUM_WARPS, ta.PREFILL_LARGE_NUM_STAGES)
+    engine = (ta.PREFILL_LARGE_BLOCK_M, ta.PREFILL_LARGE_BLOCK_N, ta.PREFILL_LARGE_NUM_WARPS,
+              ta.PREFILL_LARGE_NUM_STAGES)
     for tile in [tuple(int(x) for x in t.split("/")) for t in tiles.split(",") if t] or [engine]:
         for kernel in ("gather", "tma"):
             name = f"prefill_{kernel}_{'_'.join(map(str, tile))}"
@@ -121,10 +125,11 @@ def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None, check_ws: b
             spills = len(re.findall(r"\bSTL\b", sass))
             loop = collections.Counter(first_loop(sass))
             loop_local = sum(n for op, n in loop.items() if op.startswith(("STL", "LDL")))
+            loop_wgmma = sum(n for op, n in loop.items() if op.startswith("HGMMA"))
             print(f"{name}: registers {regs.group(1) if regs else '?'}, shared {compiled.metadata.shared} B, "
                   f"spill stores {spills}, TMA copies {ops['UTMALDG']}, "
                   f"cp.async {ops['LDGSTS']}, wgmma {ops['HGMMA']}; first loop {sum(loop.values())} instructions, "
-                  f"{loop_local} local loads/stores, {sum(n for op, n in loop.items() if op.startswith('HGMMA'))} wgmma")
+                  f"{loop_local} local loads/stores, {loop_wgmma} wgmma")
             if check_ws and kernel == "tma":
                 try:
                     ws = compile_prefill(kernel, *tile, arch, qpk, warp_specialize=True)

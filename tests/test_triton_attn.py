@@ -237,7 +237,8 @@ def test_decode_fused_rope_same_bits(kernels, gen, monkeypatch, case, cache_dtyp
     expected = kernels.paged_attention(ref_q, **{**args, **ref_caches})
 
     assert kernels.fuses_decode_rope(q, batch["k_cache"], 1)
-    rope = fused_ops.DecodeRope(k.clone(), positions, cos_sin, q_w, k_w, 1e-6, store(batch["k_cache"], batch["v_cache"]))
+    rope = fused_ops.DecodeRope(k.clone(), positions, cos_sin, q_w, k_w, 1e-6,
+                                store(batch["k_cache"], batch["v_cache"]))
     got = kernels.paged_attention(q.clone(), **args, rope=rope)
     seed = f"seed {gen.initial_seed()}"
     for name, cache in ref_caches.items():  # NaN-poisoned slots stay NaN in both: compare as bytes
@@ -301,7 +302,8 @@ def test_prefill_tma_kernel(kernels, gen, case):
     got = got.float().cpu()
     seed = f"seed {gen.initial_seed()}"
     assert not got.isnan().any(), f"NaN in output (unwritten or unmasked), {seed}"
-    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype], msg=lambda m: f"{m}\n{seed}")
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
+                               msg=lambda m: f"{m}\n{seed}")
 
 
 def test_prefill_tma_takes_pages_of_whole_tiles(kernels):

@@ -568,10 +568,10 @@ def _unified_attention_kernel(
         o = o * tl.load(v_scale_ptr + kv_head)
     if not IS_SPLIT:
         store_rows(out_ptr, tokens, head, row_ok, o, stride_ot, stride_oh,
-                    HEAD_DIM, HEAD_DIM_PAD)
+                   HEAD_DIM, HEAD_DIM_PAD)
     else:
         store_rows(part_out_ptr + split * HEAD_DIM_PAD, tokens, head, row_ok, o,
-                    stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
+                   stride_pt, stride_ph, HEAD_DIM_PAD, HEAD_DIM_PAD)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + tokens * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 

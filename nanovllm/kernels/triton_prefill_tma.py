@@ -166,7 +166,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _prefill_tma_kernel[(triton.cdiv(max_seqlen_q, block_q), num_kv_heads, num_seqs)](
         out, q, _cache_descriptor(k_cache), _cache_descriptor(v_cache), cu_seqlens_q, seq_lens_k, block_tables,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N, HEAD_DIM=head_dim,
+        QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        HEAD_DIM=head_dim,
         PAGE_SIZE=k_cache.shape[1], LOOP_STAGES=NUM_STAGES, WARP_SPECIALIZE=WARP_SPECIALIZE,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
     return out
