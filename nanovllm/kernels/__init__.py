@@ -1,7 +1,9 @@
 """Attention backends: the one place where CPU and GPU attention differ.
 
 A backend is a module with `store_kvcache(...)` and `paged_attention(...)` of the
-signatures in `torch_ref.py`. `get_attention_backend(device_type)` picks it.
+signatures in `torch_ref.py`. `get_attention_backend(device_type)` picks it. The GPU's
+(`triton_attn`) also has `fuses_decode_rope(...)`: where it holds, `paged_attention(...,
+rope=...)` does a decode step's q/k norm + RoPE and K/V store itself (layers/attention.py).
 """
 from types import ModuleType
 
