@@ -192,6 +192,7 @@ def test_large_prefill_tile(poisoned_kernels, gen, monkeypatch, case):
 
 # A decode batch for the fused RoPE: contexts (the new token included) of one key, of a split
 # boundary and longer; heads, KV heads, head size, block size, splits
+E4M3_STEP = 2 ** -3  # the spacing of e4m3 values relative to their size (3 mantissa bits)
 FUSED_ROPE_CASES = {
     "qk_norm_splits3": ([1, 16, 33, 200], 4, 2, 32, 16, 3),
     "plain_qpk3_bs8": ([5, 64, 129], 6, 2, 16, 8, 2),
@@ -203,7 +204,9 @@ FUSED_ROPE_CASES = {
 @pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
 def test_decode_fused_rope_same_bits(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
     """A decode batch's q/k norm + RoPE and K/V store inside the decode tile (DECODE_FUSED_ROPE) give
-    the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention."""
+    the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention
+    (under the interpreter; on a GPU the two kernels' sums of squares for the norm may run in other
+    orders, so there: the same within the dtype's tolerance)."""
     from nanovllm.kernels import fused_ops, triton_ops
     monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
     monkeypatch.setattr(kernels, "DECODE_FMA_FP8", False)  # the tensor-core decode tile for the fp8 cache too
@@ -241,9 +244,17 @@ def test_decode_fused_rope_same_bits(kernels, gen, monkeypatch, case, cache_dtyp
                                 store(batch["k_cache"], batch["v_cache"]))
     got = kernels.paged_attention(q.clone(), **args, rope=rope)
     seed = f"seed {gen.initial_seed()}"
-    for name, cache in ref_caches.items():  # NaN-poisoned slots stay NaN in both: compare as bytes
-        assert torch.equal(batch[name].view(torch.uint8), cache.view(torch.uint8)), f"{name}, {seed}"
-    assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), seed
+    if not HAS_CUDA:
+        for name, cache in ref_caches.items():  # NaN-poisoned slots stay NaN in both: compare as bytes
+            assert torch.equal(batch[name].view(torch.uint8), cache.view(torch.uint8)), f"{name}, {seed}"
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), seed
+        return
+    tol = TOLERANCE[dtype]
+    cache_tol = tol if cache_dtype is None else E4M3_STEP  # an fp8 value may round to its neighbour
+    for name, cache in ref_caches.items():
+        torch.testing.assert_close(batch[name].float(), cache.float(), atol=cache_tol, rtol=cache_tol,
+                                   equal_nan=True, msg=lambda m: f"{name}: {m}\n{seed}")
+    torch.testing.assert_close(got.float(), expected.float(), atol=2 * tol, rtol=2 * tol, msg=lambda m: f"{m}\n{seed}")
 
 
 def test_split_of_last_key_holds_it(kernels):
