@@ -5,8 +5,8 @@
 # fused in (triton_attn.DECODE_FUSED_ROPE); the first and the last are off by default until this has run.
 # One command may run 10 minutes on the device: three calls of ~4-6 minutes on a fresh H200,
 # STEPS="tests kernels", STEPS="ttft", STEPS="b1". One log per step under $OUT. Steps (STEPS):
-#   tests     the attention kernel tests natively (the TMA kernel and the fused RoPE included), and the
-#             fused RoPE through the engine (same bits as the separate kernel)
+#   tests     the TMA kernel's and the fused RoPE's kernel tests natively, and the fused RoPE through the
+#             engine against the separate RoPE kernel (the whole GPU suite: gpu_suite.sh)
 #   kernels   bench_prefill_attention.py: one 8k chunk of a 32k prompt (the first and the last), gather
 #             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16 and 64
 #   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), five ways:
@@ -51,7 +51,8 @@ variant_args() {  # the arguments of variant $1
 
 for step in $STEPS; do
   case $step in
-    tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py ;;
+    tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py \
+             -k "tma or fused_rope or last_key or split_target" ;;
     kernels) run_step kernels 420 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64 ;;
     ttft)
       for v in "${VARIANTS[@]}"; do

@@ -202,7 +202,7 @@ FUSED_ROPE_CASES = {
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"], ids=["cache16", "cache_fp8"])
 @pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
-def test_decode_fused_rope_same_bits(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
+def test_decode_fused_rope_matches_the_separate_kernel(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
     """A decode batch's q/k norm + RoPE and K/V store inside the decode tile (DECODE_FUSED_ROPE) give
     the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention
     (under the interpreter; on a GPU the two kernels' sums of squares for the norm may run in other
