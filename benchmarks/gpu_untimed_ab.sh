@@ -3,12 +3,13 @@
 # the TMA prefill kernel (kernels/triton_prefill_tma.py), the prefill split target
 # (triton_attn.PREFILL_TARGET_PROGRAMS_PER_SM) and the decode tile with the q/k norm + RoPE + K/V store
 # fused in (triton_attn.DECODE_FUSED_ROPE); the first and the last are off by default until this has run.
-# One command may run 10 minutes on the device: three calls of ~4-6 minutes on a fresh H200,
-# STEPS="tests kernels", STEPS="ttft", STEPS="b1". One log per step under $OUT. Steps (STEPS):
+# One command may run 10 minutes on the device: three calls of ~5-8 minutes on a fresh H200,
+# STEPS=kernels, STEPS="tests ttft", STEPS=b1. One log per step under $OUT. Steps (STEPS):
 #   tests     the TMA kernel's and the fused RoPE's kernel tests natively, and the fused RoPE through the
 #             engine against the separate RoPE kernel (the whole GPU suite: gpu_suite.sh)
 #   kernels   bench_prefill_attention.py: one 8k chunk of a 32k prompt (the first and the last), gather
-#             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16 and 64
+#             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16, 64 and 128
+#             (the 128-key TMA tiles, which compile with no spill in their loop, need pages of 128)
 #   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), five ways:
 #             defaults (pages of 16, gather, prefill split by the decode target); prefill unsplit
 #             (PREFILL_TARGET_PROGRAMS_PER_SM 1); pages of 64 with the TMA kernel; pages of 64 without;
@@ -16,15 +17,15 @@
 #   b1        bench_offline.py (B1, bf16, no tokenizer: A/Bs, not the goal's figure): defaults, pages of
 #             64 with the TMA kernel (what a larger default page would cost or give), the fused RoPE
 #
-#   STEPS="tests kernels" bash benchmarks/gpu_untimed_ab.sh
-#   STEPS=ttft bash benchmarks/gpu_untimed_ab.sh
+#   STEPS=kernels bash benchmarks/gpu_untimed_ab.sh
+#   STEPS="tests ttft" bash benchmarks/gpu_untimed_ab.sh
 #   STEPS=b1 bash benchmarks/gpu_untimed_ab.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_untimed_ab}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"tests kernels ttft b1"}
+STEPS=${STEPS:-"kernels tests ttft b1"}
 TMA='"triton_prefill_tma.ENABLED":true'
 VARIANTS=(  # name, then arguments
   "default|"
@@ -53,7 +54,7 @@ for step in $STEPS; do
   case $step in
     tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py \
              -k "tma or fused_rope or last_key or split_target" ;;
-    kernels) run_step kernels 420 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64 ;;
+    kernels) run_step kernels 560 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64,128 ;;
     ttft)
       for v in "${VARIANTS[@]}"; do
         # shellcheck disable=SC2046  # each variant is a list of arguments

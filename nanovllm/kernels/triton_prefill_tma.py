@@ -42,7 +42,10 @@ BLOCK_M = 256            # rows of a tile: query tokens x the query heads of one
 BLOCK_N = 64             # keys of a KV tile (one TMA copy each of K and V)
 NUM_WARPS = 8
 NUM_STAGES = 3           # KV tiles in flight in the unmasked loop (software pipelining)
-WARP_SPECIALIZE = False  # Triton's automatic warp specialization of the unmasked loop
+# Triton's automatic warp specialization of the unmasked loop. Triton 3.6 for sm_90 gave the same machine
+# code with it at 8 warps and failed to compile it at 4 (benchmarks/attn_sass.py --prefill
+# --check-warp-specialize; RESULTS.md "Twenty-fourth session"): off, for Triton versions to come.
+WARP_SPECIALIZE = False
 # The kernel has no split-KV: `triton_attn` sends it a prefill batch (without a split count of
 # its own) whose grid gives every multiprocessor at least this many programs; smaller ones (a
 # short chunk over a long prefix) keep the gather kernel's splits.
@@ -167,8 +170,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out, q, _cache_descriptor(k_cache), _cache_descriptor(v_cache), cu_seqlens_q, seq_lens_k, block_tables,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        HEAD_DIM=head_dim,
-        PAGE_SIZE=k_cache.shape[1], LOOP_STAGES=NUM_STAGES, WARP_SPECIALIZE=WARP_SPECIALIZE,
+        HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], LOOP_STAGES=NUM_STAGES, WARP_SPECIALIZE=WARP_SPECIALIZE,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, **launch_options(q.device))
     return out
 
