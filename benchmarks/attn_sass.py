@@ -18,6 +18,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py --kv auto,fp8 --qpk 4          # Qwen3-8B's groups of 4 query heads
     python benchmarks/attn_sass.py --prefill --tiles 256/64/8/3,128/64/4/3   # prefill: gather vs TMA kernel
     python benchmarks/attn_sass.py --kv auto,fp8 --fused-rope     # decode tiles with the RoPE fused in
+    python benchmarks/attn_sass.py --kv fp8 --fma [--fused-rope]  # triton_decode_fma's kernel
 
 `--prefill` compiles the bf16 prefill tiles instead (BLOCK_M/BLOCK_N/warps/stages, default the engine's large
 tile), each for `triton_attn`'s gather kernel (pages of 16) and for `triton_prefill_tma`'s (pages of 64), and
@@ -84,6 +85,23 @@ def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stage
              if n in aligned or pointers.get(n, "").startswith("*")}
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages))
+
+
+def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
+    """`triton_decode_fma`'s kernel at the engine's settings (rope: DECODE_FUSED_ROPE's, with the q/k norm)."""
+    from nanovllm.kernels import triton_decode_fma as fma
+    fp8 = kv != "auto"
+    consts = dict(QPK=qpk, BLOCK_N=ta.DECODE_FMA_BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE,
+                  IS_SPLIT=False, KV_FP8=fp8, ACC_2D=ta.DECODE_FMA_ACC_2D, PV_FP16=False,
+                  LOOP_STAGES=ta.DECODE_FMA_NUM_STAGES, ACC_ROWS=ta.DECODE_FMA_ACC_ROWS, ROPE=rope, QK_NORM=rope,
+                  FP8_MAX=448.0 if fp8 else 0.0, PDL=True, stride_vd=1)
+    pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
+                    k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
+                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                    k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
+                    q_w_ptr="*bf16", k_w_ptr="*bf16")
+    return _compile(fma.decode_fma_kernel, consts, pointers, ALIGNED[:-1], ta.DECODE_FMA_NUM_WARPS,
+                    ta.DECODE_FMA_NUM_STAGES, arch)
 
 
 def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK,
@@ -210,6 +228,7 @@ def main() -> None:
     ap.add_argument("--qpk", type=int, default=QPK, help="query heads per KV head (2: Qwen3-0.6B, 4: Qwen3-8B)")
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     ap.add_argument("--fused-rope", action="store_true", help="decode tiles with DECODE_FUSED_ROPE's q/k norm + RoPE")
+    ap.add_argument("--fma", action="store_true", help="triton_decode_fma's kernel instead of the decode tile")
     ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
     ap.add_argument("--check-warp-specialize", action="store_true",
                     help="with --prefill: also compile each TMA tile's loop warp-specialized and compare")
@@ -219,6 +238,17 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_{args.arch}")
     if args.prefill:
         print_prefill(args.tiles, args.arch, args.qpk, args.keep, args.check_warp_specialize)
+        return
+    if args.fma:
+        for kv in args.kv.split(","):
+            name = f"decode_fma_{kv}{'_rope' if args.fused_rope else ''}"
+            kernel = compile_decode_fma(kv, args.arch, args.qpk, args.fused_rope)
+            sass, usage = sass_of(kernel, args.keep, name)
+            loop = collections.Counter(first_loop(sass))
+            regs = re.search(r"REG:(\d+)", usage)
+            spills = len(re.findall(r"\bSTL\b", sass))
+            print(f"{name}: registers {regs.group(1) if regs else '?'}, shared {kernel.metadata.shared} B, "
+                  f"spill stores {spills}, main loop {sum(loop.values())} instructions")
         return
     for spec in args.kv.split(","):
         kv, _, layout = spec.partition(":")

@@ -201,15 +201,20 @@ FUSED_ROPE_CASES = {
 
 @pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"], ids=["cache16", "cache_fp8"])
+@pytest.mark.parametrize("kernel", ["tile", "fma"])
 @pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
-def test_decode_fused_rope_matches_the_separate_kernel(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
+def test_decode_fused_rope_matches_the_separate_kernel(kernels, gen, monkeypatch, case, kernel, cache_dtype,
+                                                       with_norm):
     """A decode batch's q/k norm + RoPE and K/V store inside the decode tile (DECODE_FUSED_ROPE) give
     the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention
     (under the interpreter; on a GPU the two kernels' sums of squares for the norm may run in other
     orders, so there: the same within the dtype's tolerance)."""
     from nanovllm.kernels import fused_ops, triton_ops
     monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
-    monkeypatch.setattr(kernels, "DECODE_FMA_FP8", False)  # the tensor-core decode tile for the fp8 cache too
+    fma = kernel == "fma"  # triton_decode_fma for every cache, for groups of 3 too (two head pairs); else the tile
+    monkeypatch.setattr(kernels, "DECODE_FMA_FP8", fma)
+    monkeypatch.setattr(kernels, "DECODE_FMA_16BIT", fma)
+    monkeypatch.setattr(kernels, "DECODE_FMA_MAX_GROUP", 4 if fma else kernels.DECODE_FMA_MAX_GROUP)
     ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = FUSED_ROPE_CASES[case]
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     batch = _make_batch(gen, [(c - 1, 1) for c in ctx_lens], num_heads, num_kv_heads, head_dim, block_size, dtype)
@@ -274,7 +279,8 @@ def test_split_of_last_key_holds_it(kernels):
 
 
 def test_fused_rope_only_where_the_decode_tile_runs(kernels, monkeypatch):
-    """fuses_decode_rope: off by default; on, only for decode-only batches on the decode tile."""
+    """fuses_decode_rope: off by default; on, for decode-only batches on the decode tile or
+    triton_decode_fma, with heads of a power-of-two size."""
     q = torch.zeros(2, 4, 32, dtype=torch.float16)
     cache16 = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
     assert not kernels.fuses_decode_rope(q, cache16, 1)
@@ -283,7 +289,9 @@ def test_fused_rope_only_where_the_decode_tile_runs(kernels, monkeypatch):
     assert not kernels.fuses_decode_rope(q, cache16, 2)  # a batch with prefill tokens
     assert not kernels.fuses_decode_rope(torch.zeros(2, 4, 48, dtype=torch.float16),
                                          torch.zeros(4, 16, 2, 48, dtype=torch.float16), 1)
-    if hasattr(torch, "float8_e4m3fn"):  # an fp8 cache's decodes run triton_decode_fma by default
+    if hasattr(torch, "float8_e4m3fn"):  # an fp8 cache's decodes (triton_decode_fma by default) too
+        assert kernels.fuses_decode_rope(q, cache16.to(torch.float8_e4m3fn), 1)
+        monkeypatch.setattr(kernels, "DECODE_FP8_QUERY_QUANT", True)  # but not the fp8 tensor-core tile
         assert not kernels.fuses_decode_rope(q, cache16.to(torch.float8_e4m3fn), 1)
 
 

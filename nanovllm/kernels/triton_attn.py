@@ -84,7 +84,7 @@ import triton.language as tl
 
 from nanovllm.kernels import kv_quant, triton_decode_fma, triton_prefill_tma
 from nanovllm.kernels.fused_ops import DecodeRope
-from nanovllm.kernels.triton_kv_write import load_cos_sin, norm_rope_halves, quantize_fp8, store_kv_rows
+from nanovllm.kernels.triton_kv_write import load_cos_sin, quantize_fp8, rope_q_rows, rope_store_new_kv
 from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
                                                  split_of_last_key, split_tile_range, store_rows)
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
@@ -221,12 +221,13 @@ DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed 
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
 # 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
 DECODE_FMA_MAX_GROUP = 2
-# A decode step's q/k norm + RoPE and its K/V store inside the decode tile (`paged_attention`'s `rope`;
-# `fuses_decode_rope`) instead of a kernel of their own before it: one launch fewer a layer, where a
-# one-sequence decode step is a chain of ~7 short kernels a layer (0.067 ms of its 0.892 ms were that
-# kernel's, RESULTS.md "Twenty-third session"). Every program normalizes and rotates its own query rows;
-# the program whose split holds the new key writes it, then reads it back in its last tile. Off: built
-# and tested against the unfused path under the interpreter, not yet timed on a GPU.
+# A decode step's q/k norm + RoPE and its K/V store inside the decode kernel, the tile or
+# `triton_decode_fma` (`paged_attention`'s `rope`; `fuses_decode_rope`), instead of a kernel of their own
+# before it: one launch fewer a layer, where a one-sequence decode step is a chain of ~7 short kernels a
+# layer (0.067 ms of its 0.892 ms were that kernel's, RESULTS.md "Twenty-third session"). Every program
+# normalizes and rotates its own query rows; a program of the split that holds the new key writes it, then
+# reads it back in its last tile. Off: built and tested against the unfused path under the interpreter,
+# not yet timed on a GPU.
 DECODE_FUSED_ROPE = False
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
@@ -418,38 +419,6 @@ def _quantize_rows_e4m3(x):
     return y.to(tl.float8e4nv), scale
 
 
-@triton.jit
-def _rope_q_tile(q_ptr, tokens, head, row_ok, stride_qt, stride_qh, w_ptr, cos, sin, eps,
-                 HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """The tile's query rows, normed (QK_NORM) and rotated as triton_ops' RoPE kernel does them.
-    # [BLOCK_M, HEAD_DIM]"""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    base = q_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, HALF)[None, :]
-    y1, y2 = norm_rope_halves(tl.load(base, mask=row_ok[:, None], other=0.0),
-                              tl.load(base + HALF, mask=row_ok[:, None], other=0.0), w_ptr, cos, sin, eps,
-                              HALF, QK_NORM)
-    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], HEAD_DIM))
-
-
-@triton.jit
-def _store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                  v_scale_ptr, k_w_ptr, cos, sin, eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                  stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QK_NORM: tl.constexpr, KV_FP8: tl.constexpr,
-                  FP8_MAX: tl.constexpr):
-    """Decode token `token`'s key of `kv_head` normed and rotated, and its value, written into its
-    cache slot (none for slot -1), as triton_ops' RoPE kernel writes them."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot >= 0:
-        k_src = k_new_ptr + token * stride_knt + kv_head * stride_knh + tl.arange(0, HALF)[None, :]
-        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, cos, sin, eps, HALF, QK_NORM)
-        heads = kv_head + tl.zeros([1, 1], dtype=tl.int32)  # [1, 1]
-        store_kv_rows(k1, k2, v_new_ptr + token * stride_vnt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                      slot, heads, heads >= 0, stride_vnh, stride_kb, stride_kr, stride_kh,
-                      stride_vb, stride_vr, stride_vh, stride_vd, HALF, PAGE_SIZE, KV_FP8, FP8_MAX)
-
-
 @triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def _unified_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -498,15 +467,15 @@ def _unified_attention_kernel(
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
     if ROPE:  # a decode step: one query token, at q_start
         cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + q_start), HEAD_DIM // 2)
-        q = _rope_q_tile(q_ptr, q_start + q_idx, head, row_ok, stride_qt, stride_qh, q_w_ptr, cos, sin,
-                         rope_eps, HEAD_DIM, QK_NORM)            # [BLOCK_M, HEAD_DIM]
+        q = rope_q_rows(q_ptr, q_start + q_idx, head, row_ok, stride_qt, stride_qh, q_w_ptr, cos, sin,
+                        rope_eps, HEAD_DIM, QK_NORM)             # [BLOCK_M, HEAD_DIM]
         if OPAQUE_Q:  # as if loaded: K then reaches the product through ldmatrix again (bf16 tile's loop: 650
             q = _opaque_identity(q)  # instructions, 648 unfused, 789 without this; triton 3.6: attn_sass.py)
         if split == split_of_last_key(ctx_len, num_splits, BLOCK_N):  # this split's tiles hold the new key
-            _store_new_kv(k_new_ptr, v_new_ptr, q_start, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                          v_scale_ptr, k_w_ptr, cos, sin, rope_eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                          stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
-                          HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
+            rope_store_new_kv(k_new_ptr, v_new_ptr, q_start, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr,
+                              k_scale_ptr, v_scale_ptr, k_w_ptr, cos, sin, rope_eps, stride_knt, stride_knh,
+                              stride_vnt, stride_vnh, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+                              stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
             tl.debug_barrier()  # the key and value written are visible to the program's loads below
     else:
         q = load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,
@@ -774,7 +743,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert rope is None or fuses_decode_rope(q, k_cache, max_seqlen_q), "the caller checks fuses_decode_rope"
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
-                           k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits)
+                           k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
     fp8_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT)
     pv_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT)
     opaque = _opaque_casts(kv_fp8 and not (v_key_minor or fp8_mma or pv_mma), q)
@@ -808,33 +777,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def fuses_decode_rope(q: torch.Tensor, k_cache: torch.Tensor, max_seqlen_q: int) -> bool:
     """Whether `paged_attention` takes a batch's q/k norm + RoPE and K/V store (`rope`): with
-    DECODE_FUSED_ROPE, a decode-only batch on the decode tile (not `triton_decode_fma`, nor an fp8
+    DECODE_FUSED_ROPE, a decode-only batch on the decode tile or `triton_decode_fma` (not an fp8
     tensor-core tile), heads of a power-of-two size."""
     if not DECODE_FUSED_ROPE or max_seqlen_q != 1:
         return False
-    head_dim, qpk = q.shape[-1], q.shape[1] // k_cache.shape[2]
-    kv_fp8 = kv_quant.is_fp8(k_cache.dtype)
-    if _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk) or _fp8_mma(
-            k_cache.dtype, q.dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA):
+    head_dim = q.shape[-1]
+    if _fp8_mma(k_cache.dtype, q.dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA):
         return False
     return head_dim >= MIN_DOT_DIM and head_dim & (head_dim - 1) == 0
 
 
-def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_cache: torch.Tensor, seq_lens_k: torch.Tensor) -> dict:
-    """The attention kernel's RoPE arguments: `rope`'s tensors, or (no rope) any tensors of the
-    same kinds, which the kernel leaves unread."""
+def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_cache: torch.Tensor, seq_lens_k: torch.Tensor,
+               opaque_q: bool = True) -> dict:
+    """A decode kernel's RoPE arguments: `rope`'s tensors, or (no rope) any tensors of the same
+    kinds, which the kernel leaves unread; `opaque_q`: the kernel takes OPAQUE_Q (the decode tile;
+    `triton_decode_fma` computes on fp32 copies of q)."""
     if rope is None:
-        return dict(k_new_ptr=q, v_new_ptr=q, pos_ptr=seq_lens_k, slot_ptr=seq_lens_k, cos_sin_ptr=q,
+        args = dict(k_new_ptr=q, v_new_ptr=q, pos_ptr=seq_lens_k, slot_ptr=seq_lens_k, cos_sin_ptr=q,
                     q_w_ptr=q, k_w_ptr=q, rope_eps=0.0, stride_knt=q.stride(0), stride_knh=q.stride(1),
-                    stride_vnt=q.stride(0), stride_vnh=q.stride(1), ROPE=False, QK_NORM=False, OPAQUE_Q=False,
-                    FP8_MAX=0.0)
+                    stride_vnt=q.stride(0), stride_vnh=q.stride(1), ROPE=False, QK_NORM=False, FP8_MAX=0.0)
+        return dict(args, OPAQUE_Q=False) if opaque_q else args
     k, v = rope.k, rope.kv_store.value
     assert rope.kv_store.k_cache is k_cache and k.stride(2) == 1 and v.stride(2) == 1
-    return dict(k_new_ptr=k, v_new_ptr=v, pos_ptr=rope.positions, slot_ptr=rope.kv_store.slot_mapping,
+    args = dict(k_new_ptr=k, v_new_ptr=v, pos_ptr=rope.positions, slot_ptr=rope.kv_store.slot_mapping,
                 cos_sin_ptr=rope.cos_sin_cache, q_w_ptr=q if rope.q_weight is None else rope.q_weight,
                 k_w_ptr=q if rope.k_weight is None else rope.k_weight, rope_eps=rope.eps,
                 stride_knt=k.stride(0), stride_knh=k.stride(1), stride_vnt=v.stride(0), stride_vnh=v.stride(1),
-                ROPE=True, QK_NORM=rope.q_weight is not None, OPAQUE_Q=_runs_ptx(q), FP8_MAX=fp8_max(k_cache))
+                ROPE=True, QK_NORM=rope.q_weight is not None, FP8_MAX=fp8_max(k_cache))
+    return dict(args, OPAQUE_Q=_runs_ptx(q)) if opaque_q else args
 
 
 def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor,
@@ -882,7 +852,8 @@ def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype
 def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
                 scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                kv_fp8: bool, max_seqlen_k: int | None, num_splits: int | None) -> torch.Tensor:
+                kv_fp8: bool, max_seqlen_k: int | None, num_splits: int | None,
+                rope: DecodeRope | None = None) -> torch.Tensor:
     """`paged_attention` of a decode-only batch through `triton_decode_fma`."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
@@ -904,6 +875,7 @@ def _decode_fma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=k_cache.shape[1],
         IS_SPLIT=num_splits > 1, KV_FP8=kv_fp8, ACC_2D=DECODE_FMA_ACC_2D,
         PV_FP16=pv_fp16, LOOP_STAGES=DECODE_FMA_NUM_STAGES, ACC_ROWS=acc_rows,
+        **_rope_args(rope, q, k_cache, seq_lens_k, opaque_q=False),
         num_warps=DECODE_FMA_NUM_WARPS, num_stages=DECODE_FMA_NUM_STAGES,
         **({"maxnreg": DECODE_FMA_MAXNREG} if DECODE_FMA_MAXNREG and q.is_cuda else {}), **launch_options(q.device))
     if num_splits > 1:

@@ -28,7 +28,9 @@ first). Variants: per model and cache dtype, times split or not.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, split_tile_range
+from nanovllm.kernels.triton_kv_write import load_cos_sin, rope_q_rows, rope_store_new_kv
+from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, split_of_last_key,
+                                                 split_tile_range)
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 # Query heads one program computes, each with its own scalar softmax state and [D] (or
@@ -122,6 +124,17 @@ def _load_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2,
     return q.to(tl.float32) * scale_log2                                    # [D]
 
 
+@triton.jit
+def _rope_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2, w_ptr, cos, sin, eps,
+            HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """`_load_q` of a query read before its norm and RoPE, normed and rotated as triton_ops' RoPE
+    kernel does it (ROPE; a power-of-two head size)."""
+    tokens = token + tl.zeros([1], dtype=tl.int32)                          # [1]
+    q = rope_q_rows(q_ptr, tokens, tokens * 0 + head, tokens * 0 + head < head_end, stride_qt, stride_qh,
+                    w_ptr, cos, sin, eps, HEAD_DIM, QK_NORM)                # [1, D]
+    return tl.reshape(q, [HEAD_DIM]).to(tl.float32) * scale_log2          # [D]
+
+
 @triton.jit(do_not_specialize=RUN_TIME_ARGS)
 def decode_fma_kernel(
         out_ptr, part_out_ptr, part_lse_ptr,
@@ -130,15 +143,22 @@ def decode_fma_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
+        k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, rope_eps,
+        stride_knt, stride_knh, stride_vnt, stride_vnh,
         QPK: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         IS_SPLIT: tl.constexpr, KV_FP8: tl.constexpr, ACC_2D: tl.constexpr, PV_FP16: tl.constexpr,
-        LOOP_STAGES: tl.constexpr, ACC_ROWS: tl.constexpr, PDL: tl.constexpr):
+        LOOP_STAGES: tl.constexpr, ACC_ROWS: tl.constexpr,
+        ROPE: tl.constexpr, QK_NORM: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Grid: (KV heads x head pairs x splits, sequences). One program: one sequence's pair of
     query heads (HEADS_PER_PROGRAM) of one KV head over one split of its context; a group of
     more than two query heads reads its K/V once per pair (for groups of 4, B1 on the Qwen3-8B
     shape ran slower than with the tensor-core tile: triton_attn.DECODE_FMA_MAX_GROUP; so did one
-    program of four heads, at 255 registers: RESULTS.md "Fourteenth session")."""
+    program of four heads, at 255 registers: RESULTS.md "Fourteenth session").
+
+    ROPE (triton_attn.DECODE_FUSED_ROPE): as in triton_attn's decode tile, q and the new key and value
+    are this step's before q/k norm (QK_NORM) and RoPE; the first pair's program of the split that
+    holds the new key stores it into the cache first."""
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     pairs = tl.cdiv(QPK, HEADS_PER_PROGRAM)
@@ -156,8 +176,22 @@ def decode_fma_kernel(
         v_scale = tl.load(v_scale_ptr + kv_head)
     head0 = kv_head * QPK + pair * HEADS_PER_PROGRAM
     head_end = (kv_head + 1) * QPK  # the group's heads are below it (head0 always; head0 + 1 if QPK > 1)
-    q0 = _load_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
-    q1 = _load_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
+    if ROPE:
+        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), HEAD_DIM // 2)
+        q0 = _rope_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, q_w_ptr, cos, sin, rope_eps,
+                     HEAD_DIM, QK_NORM)
+        q1 = _rope_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, q_w_ptr, cos, sin,
+                     rope_eps, HEAD_DIM, QK_NORM)
+        if (pair == 0) & (split == split_of_last_key(ctx_len, num_splits, BLOCK_N)):  # the new key's split
+            rope_store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr,
+                              k_scale_ptr, v_scale_ptr, k_w_ptr, cos, sin, rope_eps,
+                              stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kr, stride_kh,
+                              stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8,
+                              FP8_MAX)
+            tl.debug_barrier()  # the key and value written are visible to the program's loads below
+    else:
+        q0 = _load_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
+        q1 = _load_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, HEAD_DIM, HEAD_DIM_PAD)
 
     # one query at the context's end: it sees every key, so only the last tile is masked
     tile_begin, full_end, masked_begin, tile_end = split_tile_range(ctx_len, ctx_len, split, num_splits, BLOCK_N)

@@ -2,9 +2,11 @@
 RMSNorm (Qwen3's q/k norm) and RoPE of a head's two halves, fp8 quantization with per-KV-head
 scales, and the store of a token's K/V rows through its slot.
 
-Shared by `triton_ops`' q/k norm + RoPE kernel (every step) and `triton_attn`'s decode tiles with
-the RoPE fused in (DECODE_FUSED_ROPE): both round where HF's torch code rounds (float32 inside,
-the input dtype after the norm and after the rotation), so both give the same bits.
+Shared by `triton_ops`' q/k norm + RoPE kernel (every step) and the decode attention kernels with
+the RoPE fused in (`triton_attn.DECODE_FUSED_ROPE`: its decode tile and `triton_decode_fma`, which
+also take a decode step's query rows through `rope_q_rows` and its new K/V through
+`rope_store_new_kv`): all round where HF's torch code rounds (float32 inside, the input dtype after
+the norm and after the rotation).
 """
 import triton
 import triton.language as tl
@@ -70,3 +72,36 @@ def store_kv_rows(k1, k2, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_
     _store_halves(k_row, k1, k2, k_scale_ptr + heads, mask, 1, HALF, KV_FP8, FP8_MAX)
     _store_halves(v_row, tl.load(v_src + dims, mask=mask), tl.load(v_src + HALF + dims, mask=mask),
                   v_scale_ptr + heads, mask, stride_vcd, HALF, KV_FP8, FP8_MAX)
+
+
+@triton.jit
+def rope_q_rows(q_ptr, tokens, head, row_ok, stride_qt, stride_qh, w_ptr, cos, sin, eps,
+                HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Query rows (tokens, heads) [ROWS] of a decode step, read before their norm and RoPE, normed
+    (QK_NORM) and rotated as triton_ops' RoPE kernel does them; zeros where not `row_ok`.
+    # [ROWS, HEAD_DIM]"""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    base = q_ptr + tokens[:, None] * stride_qt + head[:, None] * stride_qh + tl.arange(0, HALF)[None, :]
+    y1, y2 = norm_rope_halves(tl.load(base, mask=row_ok[:, None], other=0.0),
+                              tl.load(base + HALF, mask=row_ok[:, None], other=0.0), w_ptr, cos, sin, eps,
+                              HALF, QK_NORM)
+    return tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (y1.shape[0], HEAD_DIM))
+
+
+@triton.jit
+def rope_store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                      v_scale_ptr, k_w_ptr, cos, sin, eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                      stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_vd,
+                      HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QK_NORM: tl.constexpr,
+                      KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Decode token `token`'s key of `kv_head` normed and rotated, and its value, written into its
+    cache slot (none for slot -1), as triton_ops' RoPE kernel writes them."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        k_src = k_new_ptr + token * stride_knt + kv_head * stride_knh + tl.arange(0, HALF)[None, :]
+        k1, k2 = norm_rope_halves(tl.load(k_src), tl.load(k_src + HALF), k_w_ptr, cos, sin, eps, HALF, QK_NORM)
+        heads = kv_head + tl.zeros([1, 1], dtype=tl.int32)  # [1, 1]
+        store_kv_rows(k1, k2, v_new_ptr + token * stride_vnt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                      slot, heads, heads >= 0, stride_vnh, stride_kb, stride_kr, stride_kh,
+                      stride_vb, stride_vr, stride_vh, stride_vd, HALF, PAGE_SIZE, KV_FP8, FP8_MAX)
