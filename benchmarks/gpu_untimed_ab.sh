@@ -14,8 +14,9 @@
 #             defaults (pages of 16, gather, prefill split by the decode target); prefill unsplit
 #             (PREFILL_TARGET_PROGRAMS_PER_SM 1); pages of 64 with the TMA kernel; pages of 64 without;
 #             the fused RoPE (its decode tok/s against the defaults')
-#   b1        bench_offline.py (B1, bf16, no tokenizer: A/Bs, not the goal's figure): defaults, pages of
-#             64 with the TMA kernel (what a larger default page would cost or give), the fused RoPE
+#   b1        bench_offline.py (B1, no tokenizer: A/Bs, not the goals' figures): bf16 with the defaults,
+#             with pages of 64 and the TMA kernel (what a larger default page would cost or give) and with
+#             the fused RoPE; an fp8 cache without and with the fused RoPE (triton_decode_fma's)
 #
 #   STEPS=kernels bash benchmarks/gpu_untimed_ab.sh
 #   STEPS="tests ttft" bash benchmarks/gpu_untimed_ab.sh
@@ -33,8 +34,11 @@ VARIANTS=(  # name, then arguments
   "tma64|--kvcache-block-size 64 --attn-constants {$TMA}"
   "gather64|--kvcache-block-size 64"
   "rope|--attn-constants {\"DECODE_FUSED_ROPE\":true}"
+  "fp8|--kv-cache-dtype fp8"
+  "fp8rope|--kv-cache-dtype fp8 --attn-constants {\"DECODE_FUSED_ROPE\":true}"
 )
-B1_VARIANTS=(default tma64 rope)
+TTFT_VARIANTS=(default unsplit tma64 gather64 rope)
+B1_VARIANTS=(default tma64 rope fp8 fp8rope)
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2
@@ -56,9 +60,9 @@ for step in $STEPS; do
              -k "tma or fused_rope or last_key or split_target" ;;
     kernels) run_step kernels 560 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64,128 ;;
     ttft)
-      for v in "${VARIANTS[@]}"; do
+      for name in "${TTFT_VARIANTS[@]}"; do
         # shellcheck disable=SC2046  # each variant is a list of arguments
-        run_step "ttft_${v%%|*}" 150 python3 benchmarks/bench_long_context.py --splits '' $(variant_args "${v%%|*}")
+        run_step "ttft_$name" 150 python3 benchmarks/bench_long_context.py --splits '' $(variant_args "$name")
       done ;;
     b1)
       for name in "${B1_VARIANTS[@]}"; do
