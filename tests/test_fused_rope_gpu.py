@@ -24,12 +24,18 @@ LOGPROB_TOLERANCE = 0.05
 NEAR_TIE = 0.1
 
 
-def _run(path: str, prompts, fused: bool, monkeypatch, **kwargs):
+# one sequence (the one-row layers), then a batch
+PROMPT_SETS = (random_prompts([37]), random_prompts([5, 17, 40, 100, 3]))
+
+
+def _run(path: str, fused: bool, monkeypatch, **kwargs) -> list:
+    """Each prompt set's (ids, logprobs) per request, from one engine."""
     monkeypatch.setattr(triton_attn, "DECODE_FUSED_ROPE", fused)  # before the engine compiles its kernels
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, num_kvcache_blocks=KV_BLOCKS, max_model_len=512,
               max_num_seqs=8, **kwargs)
     try:
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        return [[(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                 for o in llm.generate(prompts, PARAMS, use_tqdm=False)] for prompts in PROMPT_SETS]
     finally:
         llm.shutdown()
 
@@ -49,7 +55,7 @@ def _assert_same_up_to_near_ties(fused, unfused):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # with the q/k norm and without
 def test_fused_rope_matches_the_separate_kernel(tmp_path, monkeypatch, family, enforce_eager):
     build_tiny_model(family, str(tmp_path))
-    for prompts in (random_prompts([37]), random_prompts([5, 17, 40, 100, 3])):
-        unfused = _run(str(tmp_path), prompts, False, monkeypatch, enforce_eager=enforce_eager)
-        fused = _run(str(tmp_path), prompts, True, monkeypatch, enforce_eager=enforce_eager)
-        _assert_same_up_to_near_ties(fused, unfused)
+    unfused = _run(str(tmp_path), False, monkeypatch, enforce_eager=enforce_eager)
+    fused = _run(str(tmp_path), True, monkeypatch, enforce_eager=enforce_eager)
+    for fused_set, unfused_set in zip(fused, unfused):
+        _assert_same_up_to_near_ties(fused_set, unfused_set)
