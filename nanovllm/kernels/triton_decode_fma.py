@@ -23,7 +23,8 @@ query per sequence; a sequence with none writes nothing), split-KV included: a s
 its partial output and log2-sum-exp into the caller's workspace, combined by `triton_attn`'s
 combine kernel. Any cache dtype: fp8 (per-KV-head scales folded in as in `triton_attn`) or
 16-bit; fp32 accumulation (with DECODE_FMA_PV_FP16, off, a tile's P V is summed in fp16
-first). Variants: per model and cache dtype, times split or not.
+first). Variants: per model and cache dtype, times split or not (with triton_attn.DECODE_FUSED_ROPE, set
+before an engine starts, its ROPE ones instead, as many).
 """
 import triton
 import triton.language as tl
