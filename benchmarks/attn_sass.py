@@ -46,6 +46,28 @@ ALIGNED = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "str
            "stride_vb", "stride_vr", "stride_vh", "stride_vd")  # strides Triton sees as multiples of 16 in the engine
 
 
+def _attention_pointers(kv: str) -> dict:
+    """The pointer types of the attention kernels' arguments (`triton_attn._launch_args`, `_rope_args`)
+    over a `kv` cache."""
+    return dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
+                k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
+                seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
+                q_w_ptr="*bf16", k_w_ptr="*bf16")
+
+
+def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stages: int, arch: int,
+             maxnreg: int | None = None):
+    """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints."""
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
+                 for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in aligned or pointers.get(n, "").startswith("*")}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
+
+
 def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_key_minor: bool = False,
                    maxnreg: int | None = None, fp8_mma: bool = False, pv_mma: bool = False, qpk: int = QPK,
                    opaque_v_cast: bool = True, opaque_k_cast: bool = False, rope: bool = False):
@@ -63,28 +85,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
                   ROPE=rope, QK_NORM=rope, OPAQUE_Q=rope, FP8_MAX=448.0 if fp8 else 0.0, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
-    pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
-                    k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
-                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-                    k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
-                    q_w_ptr="*bf16", k_w_ptr="*bf16")
-    names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
-                 for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in pointers or n in ALIGNED}
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
-
-
-def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stages: int, arch: int):
-    """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints."""
-    names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
-                 for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in aligned or pointers.get(n, "").startswith("*")}
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+    return _compile(fn, consts, _attention_pointers(kv), ALIGNED, warps, stages, arch, maxnreg)
 
 
 def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
@@ -95,12 +96,7 @@ def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
                   IS_SPLIT=False, KV_FP8=fp8, ACC_2D=ta.DECODE_FMA_ACC_2D, PV_FP16=False,
                   LOOP_STAGES=ta.DECODE_FMA_NUM_STAGES, ACC_ROWS=ta.DECODE_FMA_ACC_ROWS, ROPE=rope, QK_NORM=rope,
                   FP8_MAX=448.0 if fp8 else 0.0, PDL=True, stride_vd=1)
-    pointers = dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16",
-                    k_cache_ptr=KV_POINTER[kv], v_cache_ptr=KV_POINTER[kv], cu_seqlens_q_ptr="*i32",
-                    seq_lens_k_ptr="*i32", block_tables_ptr="*i32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-                    k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i64", slot_ptr="*i64", cos_sin_ptr="*fp32",
-                    q_w_ptr="*bf16", k_w_ptr="*bf16")
-    return _compile(fma.decode_fma_kernel, consts, pointers, ALIGNED[:-1], ta.DECODE_FMA_NUM_WARPS,
+    return _compile(fma.decode_fma_kernel, consts, _attention_pointers(kv), ALIGNED[:-1], ta.DECODE_FMA_NUM_WARPS,
                     ta.DECODE_FMA_NUM_STAGES, arch)
 
 
@@ -122,10 +118,8 @@ def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages:
                   KV_FP8=False, FP16_PRODUCTS=False, V_KEY_MINOR=False, FP8_MMA=False, PV_MMA=False,
                   OPAQUE_V_CAST=False, OPAQUE_K_CAST=False, ROPE=False, QK_NORM=False, OPAQUE_Q=False, FP8_MAX=0.0,
                   stride_vd=1)
-    pointers = dict(rows, part_out_ptr="*fp32", part_lse_ptr="*fp32", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
-                    k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_new_ptr="*bf16", v_new_ptr="*bf16", pos_ptr="*i32",
-                    slot_ptr="*i32", cos_sin_ptr="*bf16", q_w_ptr="*bf16", k_w_ptr="*bf16")
-    return _compile(ta._unified_attention_kernel, consts, pointers, ALIGNED[:-1], warps, stages, arch)
+    return _compile(ta._unified_attention_kernel, consts, _attention_pointers("auto"), ALIGNED[:-1], warps, stages,
+                    arch)
 
 
 def print_prefill(tiles: str, arch: int, qpk: int, keep: str | None, check_ws: bool = False) -> None:

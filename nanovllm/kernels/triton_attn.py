@@ -85,11 +85,10 @@ import triton.language as tl
 from nanovllm.kernels import kv_quant, triton_decode_fma, triton_prefill_tma
 from nanovllm.kernels.fused_ops import DecodeRope
 from nanovllm.kernels.triton_kv_write import load_cos_sin, quantize_fp8, rope_q_rows, rope_store_new_kv
-from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
+from nanovllm.kernels.triton_paged_tiles import (LOG2E, RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
                                                  split_of_last_key, split_tile_range, store_rows)
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
-LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
 WGMMA_MIN_M = tl.constexpr(64)  # Hopper's wgmma (operands from shared memory) needs >= 64 rows
 FP16_MAX = tl.constexpr(65504.0)  # queries beyond it (none in practice) are clamped, not made inf
@@ -744,17 +743,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
+    if max_seqlen_q > 1 and num_splits in (None, 1) and triton_prefill_tma.applies(q, k_cache, v_cache):
+        programs = triton_prefill_tma.num_programs(max_seqlen_q, qpk, num_kv_heads, num_seqs)
+        if num_splits == 1 or programs >= triton_prefill_tma.MIN_PROGRAMS_PER_SM * num_sms(q.device):
+            return triton_prefill_tma.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
+                                                        block_tables, scale, max_seqlen_q, out)
     fp8_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_QUERY_QUANT)
     pv_mma = _fp8_mma(k_cache.dtype, q.dtype, max_seqlen_q, DECODE_FP8_PV_MMA and not DECODE_FP8_QUERY_QUANT)
     opaque = _opaque_casts(kv_fp8 and not (v_key_minor or fp8_mma or pv_mma), q)
     cfg = _tile_config(max_seqlen_q, triton.next_power_of_2(qpk), kv_fp8, q.device.type == "cuda",
                        _large_prefill_tile(q.device, q.dtype, kv_fp8), opaque["OPAQUE_V_CAST"])
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
-    if max_seqlen_q > 1 and num_splits in (None, 1) and triton_prefill_tma.applies(q, k_cache, v_cache):
-        programs = triton_prefill_tma.num_programs(max_seqlen_q, qpk, num_kv_heads, num_seqs)
-        if num_splits == 1 or programs >= triton_prefill_tma.MIN_PROGRAMS_PER_SM * num_sms(q.device):
-            return triton_prefill_tma.prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k,
-                                                        block_tables, scale, max_seqlen_q, out)
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads, max_seqlen_k, q.device,
                                         PREFILL_TARGET_PROGRAMS_PER_SM if max_seqlen_q > 1 else None)

@@ -10,6 +10,7 @@ import triton.language as tl
 # `% 16 == 0`): the block-table width, and the split count with the workspace strides that
 # follow from it.
 RUN_TIME_ARGS = ["stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "num_splits"]
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernels' softmax works in base 2
 # Running maximum starts finite, so a row with no visible key in a tile gets p = 0
 # (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)

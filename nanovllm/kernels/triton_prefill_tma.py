@@ -32,10 +32,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.triton_paged_tiles import RUNNING_MAX_INIT, load_q_tile, split_tile_range, store_rows
+from nanovllm.kernels.triton_paged_tiles import LOG2E, RUNNING_MAX_INIT, load_q_tile, split_tile_range, store_rows
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
-LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernel works in base 2
 ENABLED = False          # module switch (off until timed on a GPU: the module docstring)
 MIN_CAPABILITY = (9, 0)  # TMA: sm_90 (Hopper) and later
 BLOCK_M = 256            # rows of a tile: query tokens x the query heads of one KV head
