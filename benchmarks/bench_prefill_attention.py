@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_long_context import PREFILL_CHUNK, PROMPT_LEN, _paged_inputs, tile_constants  # noqa: E402
+from bench_long_context import PREFILL_CHUNK, PROMPT_LEN, _paged_inputs, _time_tile, tile_constants  # noqa: E402
 from bench_offline import QWEN3_0_6B  # noqa: E402
 
 # Triton 3.6 compiled the warp-specialized loop to the same sm_90 code as the plain one (attn_sass.py
@@ -41,6 +41,7 @@ def causal_flops(cfg: dict, cached: int, queries: int) -> float:
 
 
 def time_chunk(fn) -> float:
+    """ms of one call of `fn` (a compiled kernel's launch), the median of do_bench's repeats."""
     import triton
     fn()
     return triton.testing.do_bench(fn, rep=200, return_mode="median")
@@ -55,6 +56,7 @@ def main():
     ap.add_argument("--tma-tiles", metavar="JSON", default=json.dumps(DEFAULT_TMA_TILES),
                     help="[[BLOCK_M, BLOCK_N, warps, stages, warp_specialize], ...]")
     args = ap.parse_args()
+    import triton
     from nanovllm.kernels import triton_attn, triton_prefill_tma
     cfg = QWEN3_0_6B
     layers = cfg["num_hidden_layers"]
@@ -78,11 +80,11 @@ def main():
                 ref = triton_attn.paged_attention(**inputs)
                 for block_m, block_n, warps, stages in json.loads(args.gather_tiles):
                     tile = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
-                    with tile_constants(triton_attn, PREFILL_LARGE_BLOCK_M=block_m, PREFILL_LARGE_BLOCK_N=block_n,
-                                        PREFILL_LARGE_NUM_WARPS=warps, PREFILL_LARGE_NUM_STAGES=stages):
-                        report("gather", f"{tile}_policy", time_chunk(lambda: triton_attn.paged_attention(**inputs)))
-                        report("gather", f"{tile}_splits1",
-                               time_chunk(lambda: triton_attn.paged_attention(**inputs, num_splits=1)))
+                    constants = dict(PREFILL_LARGE_BLOCK_M=block_m, PREFILL_LARGE_BLOCK_N=block_n,
+                                     PREFILL_LARGE_NUM_WARPS=warps, PREFILL_LARGE_NUM_STAGES=stages)
+                    for splits, kwargs in (("policy", {}), ("splits1", {"num_splits": 1})):
+                        report("gather", f"{tile}_{splits}", _time_tile(triton_attn, dict(inputs, **kwargs),
+                                                                        triton.testing.do_bench, **constants))
             if not triton_prefill_tma.pages_fit(inputs["q"], inputs["k_cache"], inputs["v_cache"]):
                 continue
             for block_m, block_n, warps, stages, ws in json.loads(args.tma_tiles):
