@@ -40,6 +40,45 @@ def causal_flops(cfg: dict, cached: int, queries: int) -> float:
     return 4 * cfg["num_attention_heads"] * cfg["head_dim"] * keys
 
 
+def sdpa_rows(inputs: dict):
+    """(backend, gqa, ms of the K/V gather, ms of the first call, ms a call, max abs diff against
+    paged_attention's output) per torch SDPA backend on `inputs`' one sequence; ms is a failure's text."""
+    import time
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    from nanovllm.kernels import triton_attn
+    q, k_cache, v_cache = inputs["q"], inputs["k_cache"], inputs["v_cache"]
+    queries, context, heads = q.shape[0], int(inputs["max_seqlen_k"]), q.shape[1]
+    ref = triton_attn.paged_attention(**inputs)                          # [queries, heads, head_dim]
+    pages = inputs["block_tables"][0].long()
+
+    def gather(cache, repeat):  # [1, KV heads (x repeat), context, head_dim]
+        kv = cache[pages].flatten(0, 1)[:context].transpose(0, 1).unsqueeze(0)
+        return kv.repeat_interleave(repeat, dim=1) if repeat > 1 else kv
+    gather_ms = time_chunk(lambda: gather(k_cache, 1))
+    mask = causal_lower_right(queries, context)
+    q4 = q.transpose(0, 1).unsqueeze(0)                                  # [1, heads, queries, head_dim]
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        for gqa in (True, False):
+            repeat = 1 if gqa else heads // k_cache.shape[2]
+            k, v = gather(k_cache, repeat), gather(v_cache, repeat)
+            fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                q4, k, v, attn_mask=mask, scale=inputs["scale"], enable_gqa=gqa)
+            try:
+                with sdpa_kernel([backend]):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    out = fn()
+                    torch.cuda.synchronize()
+                    first_ms = (time.perf_counter() - start) * 1e3
+                    ms = time_chunk(fn)
+                err = (out[0].transpose(0, 1).float() - ref.float()).abs().max().item()
+            except Exception as e:  # a backend that does not take this shape or mask: named, not fatal
+                first_ms, ms, err = None, f"{type(e).__name__}: {str(e)[:160]}", None
+            yield backend.name, gqa, gather_ms * repeat, first_ms, ms, err
+            del k, v
+
+
 def time_chunk(fn) -> float:
     """ms of one call of `fn` (a compiled kernel's launch), the median of do_bench's repeats."""
     import triton
@@ -55,6 +94,7 @@ def main():
                          "the reference output)")
     ap.add_argument("--tma-tiles", metavar="JSON", default=json.dumps(DEFAULT_TMA_TILES),
                     help="[[BLOCK_M, BLOCK_N, warps, stages, warp_specialize], ...]")
+    ap.add_argument("--sdpa", action="store_true", help="also torch SDPA's backends (pages of the first size)")
     args = ap.parse_args()
     import triton
     from nanovllm.kernels import triton_attn, triton_prefill_tma
@@ -76,6 +116,12 @@ def main():
                     row["max_abs_diff_vs_gather"] = err
                 print(json.dumps(row), flush=True)
 
+            if args.sdpa and bs == int(args.block_sizes.split(",")[0]):
+                for backend, gqa, gather_ms, first_ms, ms, err in sdpa_rows(inputs):
+                    report(f"sdpa_{backend.lower()}", "gqa" if gqa else "kv_repeated", ms, err)
+                    if first_ms is not None:
+                        print(json.dumps({"chunk": name, "sdpa": backend, "gqa": gqa, "first_call_ms": round(
+                            first_ms, 1), "kv_gather_ms": round(layers * 2 * gather_ms, 3)}), flush=True)
             with tile_constants(triton_prefill_tma, ENABLED=False):
                 ref = triton_attn.paged_attention(**inputs)
                 for block_m, block_n, warps, stages in json.loads(args.gather_tiles):

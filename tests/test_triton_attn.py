@@ -279,10 +279,11 @@ def test_split_of_last_key_holds_it(kernels):
 
 
 def test_fused_rope_only_where_the_decode_tile_runs(kernels, monkeypatch):
-    """fuses_decode_rope: off by default; on, for decode-only batches on the decode tile or
-    triton_decode_fma, with heads of a power-of-two size."""
+    """fuses_decode_rope: with DECODE_FUSED_ROPE (the default), for decode-only batches on the decode
+    tile or triton_decode_fma, with heads of a power-of-two size; never without it."""
     q = torch.zeros(2, 4, 32, dtype=torch.float16)
     cache16 = torch.zeros(4, 16, 2, 32, dtype=torch.float16)
+    monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", False)
     assert not kernels.fuses_decode_rope(q, cache16, 1)
     monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
     assert kernels.fuses_decode_rope(q, cache16, 1)

@@ -225,9 +225,10 @@ DECODE_FMA_MAX_GROUP = 2
 # before it: one launch fewer a layer, where a one-sequence decode step is a chain of ~7 short kernels a
 # layer (0.067 ms of its 0.892 ms were that kernel's, RESULTS.md "Twenty-third session"). Every program
 # normalizes and rotates its own query rows; a program of the split that holds the new key writes it, then
-# reads it back in its last tile. Off: built and tested against the unfused path under the interpreter,
-# not yet timed on a GPU.
-DECODE_FUSED_ROPE = False
+# reads it back in its last tile. On an H200 (RESULTS.md "Twenty-fifth session"): one 32k-token sequence
+# decoded at 581.4 tok/s against 567.1 unfused, B1 bf16 25,252 against 25,085 tok/s, B1 with an fp8 cache
+# 33,873 against 34,086 (within its run-to-run spread).
+DECODE_FUSED_ROPE = True
 
 # Split-KV: split only when (query tiles x sequences x KV heads) would leave the GPU
 # with fewer than TARGET_PROGRAMS_PER_SM programs per multiprocessor, never into
@@ -249,9 +250,9 @@ TARGET_PROGRAMS_PER_SM = 8
 # prefill tile holds one program a multiprocessor; a 32k prompt's TTFT was 0.383-0.400 s in 8k or 16k
 # chunks (split 3 and 2) against 0.347-0.353 s in one unsplit chunk (RESULTS.md "Thirteenth session"),
 # a difference the host does not explain (its work for the four chunks took 16.6-17.5 ms against 10.2-16.1
-# for one on a 2-core CPU: bench_host_steps.py --long-prompt). Not yet timed apart on a GPU:
-# benchmarks/bench_prefill_attention.py times a chunk both ways (RESULTS.md "Twenty-fourth session").
-PREFILL_TARGET_PROGRAMS_PER_SM = None
+# for one on a 2-core CPU: bench_host_steps.py --long-prompt). At 1 (an 8k chunk unsplit) the 32k prompt's
+# TTFT on an H200 was 0.369 s against 0.388 at 8 (RESULTS.md "Twenty-fifth session").
+PREFILL_TARGET_PROGRAMS_PER_SM = 1
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill

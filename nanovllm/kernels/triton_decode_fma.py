@@ -158,8 +158,8 @@ def decode_fma_kernel(
     program of four heads, at 255 registers: RESULTS.md "Fourteenth session").
 
     ROPE (triton_attn.DECODE_FUSED_ROPE): as in triton_attn's decode tile, q and the new key and value
-    are this step's before q/k norm (QK_NORM) and RoPE; the first pair's program of the split that
-    holds the new key stores it into the cache first."""
+    are this step's before q/k norm (QK_NORM) and RoPE; each program of the split that holds the new
+    key stores it into the cache first (every pair's the same bytes)."""
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     pairs = tl.cdiv(QPK, HEADS_PER_PROGRAM)
@@ -183,7 +183,9 @@ def decode_fma_kernel(
                      HEAD_DIM, QK_NORM)
         q1 = _rope_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, q_w_ptr, cos, sin,
                      rope_eps, HEAD_DIM, QK_NORM)
-        if (pair == 0) & (split == split_of_last_key(ctx_len, num_splits, BLOCK_N)):  # the new key's split
+        # every pair's program of the new key's split writes it (the same bytes): each then reads its own
+        # write, where one writer alone raced the other pairs' reads (groups of 3 on an H200)
+        if split == split_of_last_key(ctx_len, num_splits, BLOCK_N):
             rope_store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr,
                               k_scale_ptr, v_scale_ptr, k_w_ptr, cos, sin, rope_eps,
                               stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kr, stride_kh,
