@@ -31,7 +31,8 @@ PROMPT_SETS = (random_prompts([37]), random_prompts([5, 17, 40, 100, 3]))
 def _run(path: str, fused: bool, monkeypatch, **kwargs) -> list:
     """Each prompt set's (ids, logprobs) per request, from one engine."""
     monkeypatch.setattr(triton_attn, "DECODE_FUSED_ROPE", fused)  # before the engine compiles its kernels
-    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, num_kvcache_blocks=KV_BLOCKS, max_model_len=512,
+    kwargs.setdefault("dtype", "bfloat16")
+    llm = LLM(path, skip_tokenizer_init=True, num_kvcache_blocks=KV_BLOCKS, max_model_len=512,
               max_num_seqs=8, **kwargs)
     try:
         return [[(o.outputs[0].token_ids, o.outputs[0].logprobs)
@@ -57,5 +58,14 @@ def test_fused_rope_matches_the_separate_kernel(tmp_path, monkeypatch, family, e
     build_tiny_model(family, str(tmp_path))
     unfused = _run(str(tmp_path), False, monkeypatch, enforce_eager=enforce_eager)
     fused = _run(str(tmp_path), True, monkeypatch, enforce_eager=enforce_eager)
+    for fused_set, unfused_set in zip(fused, unfused):
+        _assert_same_up_to_near_ties(fused_set, unfused_set)
+
+
+def test_fused_rope_in_float32(tmp_path, monkeypatch):
+    """A float32 model's decode tile takes the fused RoPE too (no 16-bit-only assembly on its q)."""
+    build_tiny_model("qwen3", str(tmp_path))
+    unfused = _run(str(tmp_path), False, monkeypatch, dtype="float32")
+    fused = _run(str(tmp_path), True, monkeypatch, dtype="float32")
     for fused_set, unfused_set in zip(fused, unfused):
         _assert_same_up_to_near_ties(fused_set, unfused_set)

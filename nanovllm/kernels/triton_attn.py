@@ -804,7 +804,7 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_cache: torch.Tensor, 
                 k_w_ptr=q if rope.k_weight is None else rope.k_weight, rope_eps=rope.eps,
                 stride_knt=k.stride(0), stride_knh=k.stride(1), stride_vnt=v.stride(0), stride_vnh=v.stride(1),
                 ROPE=True, QK_NORM=rope.q_weight is not None, FP8_MAX=fp8_max(k_cache))
-    return dict(args, OPAQUE_Q=_runs_ptx(q)) if opaque_q else args
+    return dict(args, OPAQUE_Q=_runs_ptx(q) and q.element_size() == 2) if opaque_q else args  # 16-bit asm
 
 
 def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor,
