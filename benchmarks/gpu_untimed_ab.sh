@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The changes built without a GPU and not yet timed on one, against the engine's defaults, on one GPU:
-# the TMA prefill kernel (kernels/triton_prefill_tma.py), the prefill split target
-# (triton_attn.PREFILL_TARGET_PROGRAMS_PER_SM) and the decode tile with the q/k norm + RoPE + K/V store
-# fused in (triton_attn.DECODE_FUSED_ROPE); the first and the last are off by default until this has run.
-# One command may run 10 minutes on the device: three calls of ~5-8 minutes on a fresh H200,
+# A/Bs of the twenty-fourth session's prefill and decode changes against the engine's defaults, on one GPU:
+# the TMA prefill kernel (kernels/triton_prefill_tma.py, off), the prefill split target
+# (triton_attn.PREFILL_TARGET_PROGRAMS_PER_SM, 1 since its A/B here) and the decode kernels with the q/k norm +
+# RoPE + K/V store fused in (triton_attn.DECODE_FUSED_ROPE, on since its A/B here; RESULTS.md "Twenty-fifth
+# session"). One command may run 10 minutes on the device: three calls of ~2-5 minutes on a fresh H200,
 # STEPS=kernels, STEPS="tests ttft", STEPS=b1. One log per step under $OUT. Steps (STEPS):
 #   tests     the TMA kernel's and the fused RoPE's kernel tests natively, and the fused RoPE through the
 #             engine against the separate RoPE kernel (the whole GPU suite: gpu_suite.sh)
@@ -11,12 +11,12 @@
 #             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16, 64 and 128
 #             (the 128-key TMA tiles, which compile with no spill in their loop, need pages of 128)
 #   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), five ways:
-#             defaults (pages of 16, gather, prefill split by the decode target); prefill unsplit
-#             (PREFILL_TARGET_PROGRAMS_PER_SM 1); pages of 64 with the TMA kernel; pages of 64 without;
-#             the fused RoPE (its decode tok/s against the defaults')
+#             defaults (pages of 16, gather, prefill unsplit, fused RoPE); prefill split by the decode target
+#             (PREFILL_TARGET_PROGRAMS_PER_SM 8); pages of 64 with the TMA kernel; pages of 64 without;
+#             the RoPE kernel apart (its decode tok/s against the defaults')
 #   b1        bench_offline.py (B1, no tokenizer: A/Bs, not the goals' figures): bf16 with the defaults,
 #             with pages of 64 and the TMA kernel (what a larger default page would cost or give) and with
-#             the fused RoPE; an fp8 cache without and with the fused RoPE (triton_decode_fma's)
+#             the RoPE kernel apart; an fp8 cache with and without the fused RoPE (triton_decode_fma's)
 #
 #   STEPS=kernels bash benchmarks/gpu_untimed_ab.sh
 #   STEPS="tests ttft" bash benchmarks/gpu_untimed_ab.sh
@@ -30,15 +30,15 @@ STEPS=${STEPS:-"kernels tests ttft b1"}
 TMA='"triton_prefill_tma.ENABLED":true'
 VARIANTS=(  # name, then arguments
   "default|"
-  "unsplit|--attn-constants {\"PREFILL_TARGET_PROGRAMS_PER_SM\":1}"
+  "split8|--attn-constants {\"PREFILL_TARGET_PROGRAMS_PER_SM\":8}"
   "tma64|--kvcache-block-size 64 --attn-constants {$TMA}"
   "gather64|--kvcache-block-size 64"
-  "rope|--attn-constants {\"DECODE_FUSED_ROPE\":true}"
+  "unfused|--attn-constants {\"DECODE_FUSED_ROPE\":false}"
   "fp8|--kv-cache-dtype fp8"
-  "fp8rope|--kv-cache-dtype fp8 --attn-constants {\"DECODE_FUSED_ROPE\":true}"
+  "fp8unfused|--kv-cache-dtype fp8 --attn-constants {\"DECODE_FUSED_ROPE\":false}"
 )
-TTFT_VARIANTS=(default unsplit tma64 gather64 rope)
-B1_VARIANTS=(default tma64 rope fp8 fp8rope)
+TTFT_VARIANTS=(default split8 tma64 gather64 unfused)
+B1_VARIANTS=(default tma64 unfused fp8 fp8unfused)
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2
