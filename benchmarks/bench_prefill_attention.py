@@ -7,7 +7,8 @@ each cache page size in `--block-sizes`:
 
 - `triton_attn`'s kernel, which gathers K/V token by token (any page size), with the TMA kernel
   switched off, per tile of `--gather-tiles`: at the split count its policy gives a prefill (`policy`)
-  and unsplit (`splits1`);
+  and unsplit (`splits1`), each in the default grid order (`gather`: query tiles heaviest first
+  head by head) and with `QUERY_TILES_OUTER` (`gather_qouter`: heaviest first across heads);
 - where pages hold whole tiles, `triton_prefill_tma`'s kernel at each tile of `--tma-tiles`
   (BLOCK_M, BLOCK_N, warps, stages, warp specialization), its output checked against the gather
   kernel's.
@@ -129,8 +130,10 @@ def main():
                     constants = dict(PREFILL_LARGE_BLOCK_M=block_m, PREFILL_LARGE_BLOCK_N=block_n,
                                      PREFILL_LARGE_NUM_WARPS=warps, PREFILL_LARGE_NUM_STAGES=stages)
                     for splits, kwargs in (("policy", {}), ("splits1", {"num_splits": 1})):
-                        report("gather", f"{tile}_{splits}", _time_tile(triton_attn, dict(inputs, **kwargs),
-                                                                        triton.testing.do_bench, **constants))
+                        for kernel, outer in (("gather", False), ("gather_qouter", True)):
+                            report(kernel, f"{tile}_{splits}", _time_tile(
+                                triton_attn, dict(inputs, **kwargs), triton.testing.do_bench,
+                                QUERY_TILES_OUTER=outer, **constants))
             if not triton_prefill_tma.pages_fit(inputs["q"], inputs["k_cache"], inputs["v_cache"]):
                 continue
             for block_m, block_n, warps, stages, ws in json.loads(args.tma_tiles):

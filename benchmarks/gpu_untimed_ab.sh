@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A/Bs of the twenty-fourth session's prefill and decode changes against the engine's defaults, on one GPU:
+# A/Bs of the twenty-fourth and twenty-fifth sessions' prefill and decode changes against the engine's
+# defaults, on one GPU: the prefill grid's order (triton_attn.QUERY_TILES_OUTER, off until timed here),
 # the TMA prefill kernel (kernels/triton_prefill_tma.py, off), the prefill split target
 # (triton_attn.PREFILL_TARGET_PROGRAMS_PER_SM, 1 since its A/B here) and the decode kernels with the q/k norm +
 # RoPE + K/V store fused in (triton_attn.DECODE_FUSED_ROPE, on since its A/B here; RESULTS.md "Twenty-fifth
@@ -8,10 +9,12 @@
 #   tests     the TMA kernel's and the fused RoPE's kernel tests natively, and the fused RoPE through the
 #             engine against the separate RoPE kernel (the whole GPU suite: gpu_suite.sh)
 #   kernels   bench_prefill_attention.py: one 8k chunk of a 32k prompt (the first and the last), gather
-#             kernel at its policy's split count and unsplit, TMA kernel per tile, pages of 16, 64 and 128
+#             kernel at its policy's split count and unsplit, in both grid orders (QUERY_TILES_OUTER),
+#             TMA kernel per tile, pages of 16, 64 and 128
 #             (the 128-key TMA tiles, which compile with no spill in their loop, need pages of 128)
-#   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), five ways:
-#             defaults (pages of 16, gather, prefill unsplit, fused RoPE); prefill split by the decode target
+#   ttft      bench_long_context.py, the 32k prompt through the public API (TTFT, decode), six ways:
+#             defaults (pages of 16, gather, prefill unsplit, fused RoPE); the prefill's query tiles
+#             heaviest first across KV heads (QUERY_TILES_OUTER, off); prefill split by the decode target
 #             (PREFILL_TARGET_PROGRAMS_PER_SM 8); pages of 64 with the TMA kernel; pages of 64 without;
 #             the RoPE kernel apart (its decode tok/s against the defaults')
 #   b1        bench_offline.py (B1, no tokenizer: A/Bs, not the goals' figures): bf16 with the defaults,
@@ -34,10 +37,11 @@ VARIANTS=(  # name, then arguments
   "tma64|--kvcache-block-size 64 --attn-constants {$TMA}"
   "gather64|--kvcache-block-size 64"
   "unfused|--attn-constants {\"DECODE_FUSED_ROPE\":false}"
+  "qouter|--attn-constants {\"QUERY_TILES_OUTER\":true}"
   "fp8|--kv-cache-dtype fp8"
   "fp8unfused|--kv-cache-dtype fp8 --attn-constants {\"DECODE_FUSED_ROPE\":false}"
 )
-TTFT_VARIANTS=(default split8 tma64 gather64 unfused)
+TTFT_VARIANTS=(default qouter split8 tma64 gather64 unfused)
 B1_VARIANTS=(default tma64 unfused fp8 fp8unfused)
 
 run_step() {  # name, time limit (s), command...

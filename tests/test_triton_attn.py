@@ -434,6 +434,25 @@ def test_prefill_batches_take_their_own_split_target(kernels, gen, monkeypatch):
     assert seen == [3, None]
 
 
+def test_query_tiles_outer_grid_gives_the_same_bits(kernels, gen, monkeypatch):
+    """QUERY_TILES_OUTER only reorders the unified kernel's programs: prefills of several query
+    tiles, over a prefix, beside a decode, split or not, give the same output bits as the
+    default grid; query tiles beyond the grid's second axis keep the first."""
+    batch = _make_batch(gen, [(0, 45), (23, 30), (40, 1)], 4, 2, 16, 4, torch.float32)
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    for splits in (1, 3):
+        expected = kernels.paged_attention(**batch, scale=0.25, num_splits=splits)
+        monkeypatch.setattr(kernels, "QUERY_TILES_OUTER", True)
+        got = kernels.paged_attention(**batch, scale=0.25, num_splits=splits)
+        monkeypatch.setattr(kernels, "QUERY_TILES_OUTER", False)
+        assert torch.equal(got, expected), splits
+    monkeypatch.setattr(kernels, "QUERY_TILES_OUTER", True)
+    assert kernels._attention_grid(64, 8, 1) == ((8, 64, 1), True)
+    assert kernels._attention_grid(kernels.MAX_GRID_YZ + 1, 8, 1) == ((kernels.MAX_GRID_YZ + 1, 8, 1), False)
+    monkeypatch.setattr(kernels, "QUERY_TILES_OUTER", False)
+    assert kernels._attention_grid(64, 8, 1) == ((64, 8, 1), False)
+
+
 def test_split_policy_caps_each_decode_kernel(monkeypatch):
     """On an H200-sized GPU (132 multiprocessors): one 32k-token sequence of 8 KV heads splits into
     MAX_SPLITS (one wave of the tensor-core tile), the CUDA-core kernel into its own cap; a short

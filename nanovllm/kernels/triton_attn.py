@@ -253,6 +253,16 @@ TARGET_PROGRAMS_PER_SM = 8
 # for one on a 2-core CPU: bench_host_steps.py --long-prompt). At 1 (an 8k chunk unsplit) the 32k prompt's
 # TTFT on an H200 was 0.369 s against 0.388 at 8 (RESULTS.md "Twenty-fifth session").
 PREFILL_TARGET_PROGRAMS_PER_SM = 1
+# Query tiles as the grid's second axis, KV heads x splits its first (Q_TILES_OUTER), so a prefill's
+# programs start heaviest first across all KV heads, not head by head: programs start in grid order, and
+# a causal chunk's query tiles cost from 1 to its length in KV tiles. As list scheduling on 132
+# multiprocessors holding one large prefill tile each (8 KV heads, 64-key tiles), head by head an
+# 8,192-token chunk with no prefix finishes at 1.24x its mean load (the last chunk of a 32k prompt at 1.06x),
+# heaviest first across heads at 1.01x (1.03x); on an H200 the kernel ran that first chunk at 317 TFLOP/s
+# against 393 for the last (RESULTS.md "Twenty-fifth session"). Decode grids (one query tile) start in the
+# same order either way. Off: not yet timed on a GPU (benchmarks/gpu_untimed_ab.sh).
+QUERY_TILES_OUTER = False
+MAX_GRID_YZ = 65535     # CUDA's limit on a grid's second and third axes
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
@@ -436,8 +446,9 @@ def _unified_attention_kernel(
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
         PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr,
         ROPE: tl.constexpr, QK_NORM: tl.constexpr, OPAQUE_Q: tl.constexpr, FP8_MAX: tl.constexpr,
-        PDL: tl.constexpr):
-    """Grid: (query tiles, KV heads x splits, sequences); query tiles heaviest first.
+        Q_TILES_OUTER: tl.constexpr, PDL: tl.constexpr):
+    """Grid: (query tiles, KV heads x splits, sequences), or with Q_TILES_OUTER (QUERY_TILES_OUTER)
+    (KV heads x splits, query tiles, sequences); query tiles heaviest first.
 
     ROPE (decode tiles, DECODE_FUSED_ROPE): q, and the new key and value at `k_new_ptr` /
     `v_new_ptr`, are this step's before q/k norm (QK_NORM) and RoPE; the program whose split holds
@@ -449,10 +460,15 @@ def _unified_attention_kernel(
     over B1's decode batches (RESULTS.md "B1")."""
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
-    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    if Q_TILES_OUTER:
+        q_block = tl.num_programs(1) - 1 - tl.program_id(1)
+        head_split = tl.program_id(0)
+    else:
+        q_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        head_split = tl.program_id(1)
     seq = tl.program_id(2)
-    kv_head = tl.program_id(1) // num_splits
-    split = tl.program_id(1) % num_splits
+    kv_head = head_split // num_splits
+    split = head_split % num_splits
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:
@@ -761,7 +777,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
-    _unified_attention_kernel[(num_q_blocks, num_kv_heads * num_splits, num_seqs)](
+    grid, q_tiles_outer = _attention_grid(num_q_blocks, num_kv_heads * num_splits, num_seqs)
+    _unified_attention_kernel[grid](
         *_launch_args(out, part_out, part_lse, q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                       scale, k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, num_splits),
         QPK=qpk, QPK_PAD=triton.next_power_of_2(qpk), HEAD_DIM=head_dim,
@@ -769,10 +786,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=fp8_mma, PV_MMA=pv_mma, **_rope_args(rope, q, k_cache, seq_lens_k), **opaque, **cfg,
-        **launch_options(q.device))
+        Q_TILES_OUTER=q_tiles_outer, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
+
+
+def _attention_grid(num_q_blocks: int, heads_splits: int, num_seqs: int) -> tuple[tuple[int, int, int], bool]:
+    """The unified kernel's grid and its Q_TILES_OUTER: query tiles on the second axis where
+    QUERY_TILES_OUTER holds and they fit there, else on the first."""
+    if QUERY_TILES_OUTER and num_q_blocks <= MAX_GRID_YZ:
+        return (heads_splits, num_q_blocks, num_seqs), True
+    return (num_q_blocks, heads_splits, num_seqs), False
 
 
 def fuses_decode_rope(q: torch.Tensor, k_cache: torch.Tensor, max_seqlen_q: int) -> bool:
