@@ -258,9 +258,10 @@ PREFILL_TARGET_PROGRAMS_PER_SM = 1
 # a causal chunk's query tiles cost from 1 to its length in KV tiles. As list scheduling on 132
 # multiprocessors holding one large prefill tile each (8 KV heads, 64-key tiles), head by head an
 # 8,192-token chunk with no prefix finishes at 1.24x its mean load (the last chunk of a 32k prompt at 1.06x),
-# heaviest first across heads at 1.01x (1.03x); on an H200 the kernel ran that first chunk at 317 TFLOP/s
-# against 393 for the last (RESULTS.md "Twenty-fifth session"). Decode grids (one query tile) start in the
-# same order either way. Off: not yet timed on a GPU (benchmarks/gpu_untimed_ab.sh).
+# heaviest first across heads at 1.01x (1.03x) (benchmarks/sim_prefill_grid.py); on an H200 the kernel ran
+# that first chunk at 317 TFLOP/s against 393 for the last (RESULTS.md "Twenty-fifth session"). Decode grids
+# (one query tile) start in the same order either way. Off: not yet timed on a GPU
+# (benchmarks/gpu_untimed_ab.sh).
 QUERY_TILES_OUTER = False
 MAX_GRID_YZ = 65535     # CUDA's limit on a grid's second and third axes
 MIN_KEYS_PER_SPLIT = 512
