@@ -251,7 +251,8 @@ TARGET_PROGRAMS_PER_SM = 8
 # chunks (split 3 and 2) against 0.347-0.353 s in one unsplit chunk (RESULTS.md "Thirteenth session"),
 # a difference the host does not explain (its work for the four chunks took 16.6-17.5 ms against 10.2-16.1
 # for one on a 2-core CPU: bench_host_steps.py --long-prompt). At 1 (an 8k chunk unsplit) the 32k prompt's
-# TTFT on an H200 was 0.369 s against 0.388 at 8 (RESULTS.md "Twenty-fifth session").
+# TTFT on an H200 was 0.369 s against 0.388 at 8 in one call, 0.374 s on another machine (RESULTS.md
+# "Twenty-fifth session"). Mixed prefill + decode batches take this target too.
 PREFILL_TARGET_PROGRAMS_PER_SM = 1
 # Query tiles as the grid's second axis, KV heads x splits its first (Q_TILES_OUTER), so a prefill's
 # programs start heaviest first across all KV heads, not head by head: programs start in grid order, and
