@@ -25,7 +25,7 @@ import torch
 
 from nanovllm.kernels import torch_ref
 from paged_batches import TOLERANCE  # atol = rtol
-from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
+from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter, run_programs_in_reverse
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -209,6 +209,22 @@ def test_decode_fused_rope_matches_the_separate_kernel(kernels, gen, monkeypatch
     the same cache contents and the same output bits as triton_ops' RoPE kernel before the attention
     (under the interpreter; on a GPU the two kernels' sums of squares for the norm may run in other
     orders, so there: the same within the dtype's tolerance)."""
+    _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtype, with_norm)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the order programs run in is the interpreter's alone to set")
+@pytest.mark.parametrize("kernel", ["tile", "fma"])
+@pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
+def test_decode_fused_rope_in_reverse_program_order(kernels, gen, monkeypatch, case, kernel):
+    """The same, with the grid's programs run last to first: a program that reads the new key
+    which another program of the launch writes (decode_fma's head pairs did, racing on a GPU)
+    then reads it unwritten."""
+    run_programs_in_reverse(monkeypatch)
+    _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, None, True)
+
+
+def _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtype, with_norm):
+    """test_decode_fused_rope_matches_the_separate_kernel's check, for one case."""
     from nanovllm.kernels import fused_ops, triton_ops
     monkeypatch.setattr(kernels, "DECODE_FUSED_ROPE", True)
     fma = kernel == "fma"  # triton_decode_fma for every cache, for groups of 3 too (two head pairs); else the tile

@@ -138,3 +138,17 @@ def _outcomes(xml: str, paths: list[str]) -> dict[str, tuple[int, list[str]]]:
         skipped = any(e.tag == "skipped" for e in case)
         outcomes[path] = (passed + (not bad and not skipped), failures + bad)
     return outcomes
+
+
+def run_programs_in_reverse(monkeypatch) -> None:
+    """Under the interpreter, which runs a grid's programs one after another in grid order, run
+    them in the reverse order instead: a kernel whose program reads what another program of the
+    same launch writes, and counts on it being written first, then reads it unwritten. (Natively
+    programs run side by side in no set order, which such a kernel races.)"""
+    from triton.runtime import interpreter
+    set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
+
+    def reversed_grid_idx(builder, x, y, z):
+        nx, ny, nz = builder.grid_dim
+        set_grid_idx(builder, nx - 1 - x, ny - 1 - y, nz - 1 - z)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", reversed_grid_idx)
