@@ -140,15 +140,20 @@ def _outcomes(xml: str, paths: list[str]) -> dict[str, tuple[int, list[str]]]:
     return outcomes
 
 
-def run_programs_in_reverse(monkeypatch) -> None:
-    """Under the interpreter, which runs a grid's programs one after another in grid order, run
-    them in the reverse order instead: a kernel whose program reads what another program of the
-    same launch writes, and counts on it being written first, then reads it unwritten. (Natively
-    programs run side by side in no set order, which such a kernel races.)"""
-    from triton.runtime import interpreter
-    set_grid_idx = interpreter.InterpreterBuilder.set_grid_idx
-
-    def reversed_grid_idx(builder, x, y, z):
+def reversed_grid_idx(set_grid_idx):
+    """The interpreter's `InterpreterBuilder.set_grid_idx` with a grid's programs numbered last to
+    first: the interpreter runs them one after another in grid order, so they then run in reverse."""
+    def set_reversed(builder, x, y, z):
         nx, ny, nz = builder.grid_dim
         set_grid_idx(builder, nx - 1 - x, ny - 1 - y, nz - 1 - z)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", reversed_grid_idx)
+    return set_reversed
+
+
+def run_programs_in_reverse(monkeypatch) -> None:
+    """Under the interpreter, run each launch's programs in reverse grid order: a kernel whose
+    program reads what another program of the same launch writes, and counts on it being written
+    first, then reads it unwritten. (Natively programs run side by side in no set order, which such
+    a kernel races.) For a whole run: `-p reverse_program_order`."""
+    from triton.runtime import interpreter
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx",
+                        reversed_grid_idx(interpreter.InterpreterBuilder.set_grid_idx))
