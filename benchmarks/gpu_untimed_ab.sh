@@ -6,7 +6,7 @@
 # RoPE + K/V store fused in (triton_attn.DECODE_FUSED_ROPE, on since its A/B here; RESULTS.md "Twenty-fifth
 # session"). One command may run 10 minutes on the device: three calls of ~2-5 minutes on a fresh H200,
 # STEPS=kernels, STEPS="tests ttft", STEPS=b1. One log per step under $OUT. Steps (STEPS):
-#   tests     the TMA kernel's and the fused RoPE's kernel tests natively, and the fused RoPE through the
+#   tests     the TMA kernel's, the fused RoPE's and the grid order's kernel tests natively, the fused RoPE through the
 #             engine against the separate RoPE kernel (the whole GPU suite: gpu_suite.sh)
 #   kernels   bench_prefill_attention.py: one 8k chunk of a 32k prompt (the first and the last), gather
 #             kernel at its policy's split count and unsplit, in both grid orders (QUERY_TILES_OUTER),
@@ -61,7 +61,7 @@ variant_args() {  # the arguments of variant $1
 for step in $STEPS; do
   case $step in
     tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py \
-             -k "tma or fused_rope or last_key or split_target" ;;
+             -k "tma or fused_rope or last_key or split_target or query_tiles_outer" ;;
     kernels) run_step kernels 560 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64,128 ;;
     ttft)
       for name in "${TTFT_VARIANTS[@]}"; do
