@@ -431,8 +431,9 @@ def test_decode_cuda_graph_replays_new_lengths(kernels, gen):
 
 
 def test_prefill_batches_take_their_own_split_target(kernels, gen, monkeypatch):
-    """PREFILL_TARGET_PROGRAMS_PER_SM reaches the split policy for batches with prefill tiles, and
-    only for them (decode-only batches keep TARGET_PROGRAMS_PER_SM)."""
+    """PREFILL_TARGET_PROGRAMS_PER_SM reaches the split policy for batches of more than one query
+    tile a sequence, and only for them: decode-only batches, and short prefills whose queries fit
+    one tile, keep TARGET_PROGRAMS_PER_SM."""
     seen = []
     choose = kernels._choose_num_splits
 
@@ -441,13 +442,15 @@ def test_prefill_batches_take_their_own_split_target(kernels, gen, monkeypatch):
         return choose(programs, max_seqlen_k, device, programs_per_sm, max_splits)
     monkeypatch.setattr(kernels, "_choose_num_splits", recording)
     monkeypatch.setattr(kernels, "PREFILL_TARGET_PROGRAMS_PER_SM", 3)
-    prefill = _make_batch(gen, [(20, 5)], 2, 1, 16, 4, torch.float32)
+    block_q = kernels._tile_config(2, 2, on_gpu=HAS_CUDA)["BLOCK_Q"]  # query tokens a prefill tile holds
+    long_prefill = _make_batch(gen, [(20, block_q + 3)], 2, 1, 16, 4, torch.float32)
+    short_prefill = _make_batch(gen, [(20, 5), (30, 1)], 2, 1, 16, 4, torch.float32)  # beside a decode
     decode = _make_batch(gen, [(20, 1)], 2, 1, 16, 4, torch.float32)
-    for batch in (prefill, decode):
+    for batch in (long_prefill, short_prefill, decode):
         expected = _reference(batch, 0.25)
         got = kernels.paged_attention(**{k: v.to(DEVICE) for k, v in batch.items()}, scale=0.25)
         torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
-    assert seen == [3, None]
+    assert seen == [3, None, None]
 
 
 def test_query_tiles_outer_grid_gives_the_same_bits(kernels, gen, monkeypatch):

@@ -245,14 +245,16 @@ DECODE_FUSED_ROPE = True
 # 1.418 at 32, 1.34 at 56, 1.277 at 64; its decode through the engine 568.7 / 569.4 tok/s against
 # 556.0 / 556.5 at 32 (bench_long_context.py, RESULTS.md "Twenty-third session").
 TARGET_PROGRAMS_PER_SM = 8
-# The same target for batches with prefill tiles (None: TARGET_PROGRAMS_PER_SM). At 8 an 8,192-token
+# The same target for batches of more than one query tile a sequence (None: TARGET_PROGRAMS_PER_SM); a
+# batch whose queries fit one tile (short prefills beside decodes) keeps the decode target, which spreads a
+# long context's keys over the GPU as in a decode step. At 8 an 8,192-token
 # chunk of Qwen3-0.6B's shape (512 query tiles of 128 tokens x KV heads) splits in 3, although the large
 # prefill tile holds one program a multiprocessor; a 32k prompt's TTFT was 0.383-0.400 s in 8k or 16k
 # chunks (split 3 and 2) against 0.347-0.353 s in one unsplit chunk (RESULTS.md "Thirteenth session"),
 # a difference the host does not explain (its work for the four chunks took 16.6-17.5 ms against 10.2-16.1
 # for one on a 2-core CPU: bench_host_steps.py --long-prompt). At 1 (an 8k chunk unsplit) the 32k prompt's
 # TTFT on an H200 was 0.369 s against 0.388 at 8 in one call, 0.374 s on another machine (RESULTS.md
-# "Twenty-fifth session"). Mixed prefill + decode batches take this target too.
+# "Twenty-fifth session").
 PREFILL_TARGET_PROGRAMS_PER_SM = 1
 # Query tiles as the grid's second axis, KV heads x splits its first (Q_TILES_OUTER), so a prefill's
 # programs start heaviest first across all KV heads, not head by head: programs start in grid order, and
@@ -775,7 +777,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_q_blocks = triton.cdiv(max_seqlen_q, cfg["BLOCK_Q"])
     if num_splits is None:
         num_splits = _choose_num_splits(num_q_blocks * num_seqs * num_kv_heads, max_seqlen_k, q.device,
-                                        PREFILL_TARGET_PROGRAMS_PER_SM if max_seqlen_q > 1 else None)
+                                        PREFILL_TARGET_PROGRAMS_PER_SM if num_q_blocks > 1 else None)
     head_dim_pad = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim_pad,
                                           q.device)
