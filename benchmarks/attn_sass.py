@@ -83,7 +83,7 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, arch: int, v_
                   DOT_PRECISION="tf32", KV_FP8=fp8, FP16_PRODUCTS=fp8, V_KEY_MINOR=v_key_minor,
                   FP8_MMA=fp8_mma, PV_MMA=pv_mma, OPAQUE_V_CAST=opaque, OPAQUE_K_CAST=opaque and opaque_k_cast,
                   ROPE=rope, QK_NORM=rope, OPAQUE_Q=rope, FP8_MAX=448.0 if fp8 else 0.0, Q_TILES_OUTER=False,
-                  PDL=True)
+                  SCALE_IN_EXP=ta.SOFTMAX_SCALE_IN_EXP, PDL=True)
     # Triton specializes an int argument equal to 1 into a constant: the unit stride of each layout
     consts["stride_vr" if v_key_minor else "stride_vd"] = 1
     return _compile(fn, consts, _attention_pointers(kv), ALIGNED, warps, stages, arch, maxnreg)
@@ -118,7 +118,7 @@ def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages:
     consts = dict(common, HEAD_DIM_PAD=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, IS_SPLIT=False, DOT_PRECISION="tf32",
                   KV_FP8=False, FP16_PRODUCTS=False, V_KEY_MINOR=False, FP8_MMA=False, PV_MMA=False,
                   OPAQUE_V_CAST=False, OPAQUE_K_CAST=False, ROPE=False, QK_NORM=False, OPAQUE_Q=False, FP8_MAX=0.0,
-                  Q_TILES_OUTER=False, stride_vd=1)
+                  Q_TILES_OUTER=False, SCALE_IN_EXP=ta.SOFTMAX_SCALE_IN_EXP, stride_vd=1)
     return _compile(ta._unified_attention_kernel, consts, _attention_pointers("auto"), ALIGNED[:-1], warps, stages,
                     arch)
 

@@ -7,8 +7,8 @@ each cache page size in `--block-sizes`:
 
 - `triton_attn`'s kernel, which gathers K/V token by token (any page size), with the TMA kernel
   switched off, per tile of `--gather-tiles`: at the split count its policy gives a prefill (`policy`)
-  and unsplit (`splits1`), each in the default grid order (`gather`: query tiles heaviest first
-  head by head) and with `QUERY_TILES_OUTER` (`gather_qouter`: heaviest first across heads);
+  and unsplit (`splits1`), with `QUERY_TILES_OUTER` (`_qouter`: query tiles heaviest first across
+  heads, not head by head) and `SOFTMAX_SCALE_IN_EXP` (`_scale_in_exp`) off and on (GATHER_VARIANTS);
 - where pages hold whole tiles, `triton_prefill_tma`'s kernel at each tile of `--tma-tiles`
   (BLOCK_M, BLOCK_N, warps, stages, warp specialization), its output checked against the gather
   kernel's.
@@ -33,6 +33,15 @@ from bench_offline import QWEN3_0_6B  # noqa: E402
 # --prefill; RESULTS.md "Twenty-fourth session"), so the default list has no warp-specialized tile.
 DEFAULT_TMA_TILES = [[256, 64, 8, 3, False], [256, 64, 8, 2, False], [256, 128, 8, 2, False],
                      [128, 128, 8, 3, False], [128, 64, 4, 3, False]]
+
+
+# the gather kernel's switches timed side by side (the first: the defaults)
+GATHER_VARIANTS = {
+    "gather": dict(QUERY_TILES_OUTER=False, SOFTMAX_SCALE_IN_EXP=False),
+    "gather_qouter": dict(QUERY_TILES_OUTER=True, SOFTMAX_SCALE_IN_EXP=False),
+    "gather_scale_in_exp": dict(QUERY_TILES_OUTER=False, SOFTMAX_SCALE_IN_EXP=True),
+    "gather_qouter_scale_in_exp": dict(QUERY_TILES_OUTER=True, SOFTMAX_SCALE_IN_EXP=True),
+}
 
 
 def causal_flops(cfg: dict, cached: int, queries: int) -> float:
@@ -130,10 +139,10 @@ def main():
                     constants = dict(PREFILL_LARGE_BLOCK_M=block_m, PREFILL_LARGE_BLOCK_N=block_n,
                                      PREFILL_LARGE_NUM_WARPS=warps, PREFILL_LARGE_NUM_STAGES=stages)
                     for splits, kwargs in (("policy", {}), ("splits1", {"num_splits": 1})):
-                        for kernel, outer in (("gather", False), ("gather_qouter", True)):
+                        for kernel, switches in GATHER_VARIANTS.items():
                             report(kernel, f"{tile}_{splits}", _time_tile(
                                 triton_attn, dict(inputs, **kwargs), triton.testing.do_bench,
-                                QUERY_TILES_OUTER=outer, **constants))
+                                **switches, **constants))
             if not triton_prefill_tma.pages_fit(inputs["q"], inputs["k_cache"], inputs["v_cache"]):
                 continue
             for block_m, block_n, warps, stages, ws in json.loads(args.tma_tiles):

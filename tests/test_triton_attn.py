@@ -190,6 +190,18 @@ def test_large_prefill_tile(poisoned_kernels, gen, monkeypatch, case):
     _check_paged_attention(poisoned_kernels, gen, batch, torch.float16, head_dim ** -0.5, **kwargs)
 
 
+@pytest.mark.parametrize("case", ["mixed_gqa2", "long_prefill_hd96", "decode_split", "prefill_many_splits"])
+def test_softmax_scale_in_exp(poisoned_kernels, gen, monkeypatch, case):
+    """SOFTMAX_SCALE_IN_EXP (the scale inside each exponent's argument) against the torch reference:
+    decodes beside prefills, a long prefill, split decodes, more splits than key tiles; poisoned
+    slots past each context stay unread."""
+    monkeypatch.setattr(poisoned_kernels, "SOFTMAX_SCALE_IN_EXP", True)
+    seqs, num_heads, num_kv_heads, head_dim, block_size, kwargs = ATTENTION_CASES[case]
+    dtype = INTERPRETED_DTYPES[case][0] if not HAS_CUDA else torch.bfloat16
+    batch = _make_batch(gen, seqs, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    _check_paged_attention(poisoned_kernels, gen, batch, dtype, head_dim ** -0.5, **kwargs)
+
+
 # A decode batch for the fused RoPE: contexts (the new token included) of one key, of a split
 # boundary and longer; heads, KV heads, head size, block size, splits
 E4M3_STEP = 2 ** -3  # the spacing of e4m3 values relative to their size (3 mantissa bits)

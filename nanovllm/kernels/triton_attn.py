@@ -267,6 +267,12 @@ PREFILL_TARGET_PROGRAMS_PER_SM = 1
 # (benchmarks/gpu_untimed_ab.sh).
 QUERY_TILES_OUTER = False
 MAX_GRID_YZ = 65535     # CUDA's limit on a grid's second and third axes
+# The softmax scale inside each exponent's fused multiply-add (`_attend_kv_tile`'s SCALE_IN_EXP), as
+# FlashAttention does, instead of a multiply of every score first: the large prefill tile's sm_90 loop,
+# 836 instructions a warp a KV tile, has 192 FMUL, 128 of them the accumulator's rescale and 64 the
+# scores' scale (benchmarks/attn_sass.py; RESULTS.md "Twenty-fifth session"). Exact up to rounding (one
+# rounding of score x scale - max instead of two). Off: not yet timed on a GPU (gpu_untimed_ab.sh).
+SOFTMAX_SCALE_IN_EXP = False
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
 CPU_NOMINAL_SMS = 1     # under Triton's interpreter: no multiprocessors to fill
@@ -360,9 +366,13 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_KEY_MINOR: tl.constexpr,
-                    PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr):
+                    PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr,
+                    SCALE_IN_EXP: tl.constexpr):
     """One online-softmax step of the query tile over KV tile `tile`. The tiles are cast to
-    q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries)."""
+    q's dtype, the products' (fp16 for an fp8 cache and 16-bit queries). SCALE_IN_EXP
+    (SOFTMAX_SCALE_IN_EXP): the scores stay unscaled, their row maxima are scaled, and the scale
+    goes into each exponent's argument (one fused multiply-add a score instead of a multiply and
+    a subtraction)."""
     positions = tile * BLOCK_N + tl.arange(0, BLOCK_N)                    # [BLOCK_N]
     k = load_kv_tile(k_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_kb, stride_kr, stride_kh, 1, HEAD_DIM, HEAD_DIM_PAD,
@@ -370,12 +380,18 @@ def _attend_kv_tile(acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head,
     k = k.to(q.dtype)  # an fp8 cache's tile: its scale is in scale_log2
     if KV_FP8 and OPAQUE_K_CAST and q.shape[0] < WGMMA_MIN_M:
         k = _opaque_identity(k)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)             # [BLOCK_M, BLOCK_N]
+    if not SCALE_IN_EXP:
+        s = s * scale_log2
     if MASKED:
         s = tl.where(positions[None, :] <= q_pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))                                 # [BLOCK_M]
+    if SCALE_IN_EXP:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)                # [BLOCK_M]
+        p = tl.exp2(s * scale_log2 - m_new[:, None])                      # [BLOCK_M, BLOCK_N]
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))                             # [BLOCK_M]
+        p = tl.exp2(s - m_new[:, None])                                   # [BLOCK_M, BLOCK_N]
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])                                       # [BLOCK_M, BLOCK_N]
     v = load_kv_tile(v_cache_ptr, block_table_ptr, positions, ctx_len, kv_head,
                      stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, HEAD_DIM_PAD,
                      PAGE_SIZE, MASKED)                                   # [BLOCK_N, D]
@@ -450,7 +466,7 @@ def _unified_attention_kernel(
         FP16_PRODUCTS: tl.constexpr, V_KEY_MINOR: tl.constexpr, FP8_MMA: tl.constexpr,
         PV_MMA: tl.constexpr, OPAQUE_K_CAST: tl.constexpr, OPAQUE_V_CAST: tl.constexpr,
         ROPE: tl.constexpr, QK_NORM: tl.constexpr, OPAQUE_Q: tl.constexpr, FP8_MAX: tl.constexpr,
-        Q_TILES_OUTER: tl.constexpr, PDL: tl.constexpr):
+        Q_TILES_OUTER: tl.constexpr, SCALE_IN_EXP: tl.constexpr, PDL: tl.constexpr):
     """Grid: (query tiles, KV heads x splits, sequences), or with Q_TILES_OUTER (QUERY_TILES_OUTER)
     (KV heads x splits, query tiles, sequences); query tiles heaviest first.
 
@@ -540,13 +556,13 @@ def _unified_attention_kernel(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST)
+                False, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST, SCALE_IN_EXP)
         for tile in range(masked_begin, tile_end):
             acc, m_i, l_i = _attend_kv_tile(
                 acc, m_i, l_i, q, q_pos, tile, ctx_len, kv_head, k_cache_ptr, v_cache_ptr,
                 block_table_ptr, scale_log2, stride_kb, stride_kr, stride_kh,
                 stride_vb, stride_vr, stride_vh, stride_vd, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE,
-                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST)
+                True, DOT_PRECISION, KV_FP8, V_KEY_MINOR, PV_MMA, OPAQUE_K_CAST, OPAQUE_V_CAST, SCALE_IN_EXP)
         if PV_MMA:
             acc = tl.trans(acc) * (1.0 / P_FP8_SCALE)             # [BLOCK_M, HEAD_DIM_PAD]
 
@@ -790,7 +806,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=kv_fp8,
         FP16_PRODUCTS=kv_fp8 and q.dtype != torch.float32, V_KEY_MINOR=v_key_minor,
         FP8_MMA=fp8_mma, PV_MMA=pv_mma, **_rope_args(rope, q, k_cache, seq_lens_k), **opaque, **cfg,
-        Q_TILES_OUTER=q_tiles_outer, **launch_options(q.device))
+        Q_TILES_OUTER=q_tiles_outer, SCALE_IN_EXP=SOFTMAX_SCALE_IN_EXP, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim_pad)
     return out
