@@ -849,7 +849,7 @@ def _rope_args(rope: DecodeRope | None, q: torch.Tensor, k_cache: torch.Tensor, 
                 k_w_ptr=q if rope.k_weight is None else rope.k_weight, rope_eps=rope.eps,
                 stride_knt=k.stride(0), stride_knh=k.stride(1), stride_vnt=v.stride(0), stride_vnh=v.stride(1),
                 ROPE=True, QK_NORM=rope.q_weight is not None, FP8_MAX=fp8_max(k_cache))
-    return dict(args, OPAQUE_Q=_runs_ptx(q) and q.element_size() == 2) if opaque_q else args  # 16-bit asm
+    return dict(args, OPAQUE_Q=_opaque_identity_runs(q)) if opaque_q else args
 
 
 def _launch_args(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, q: torch.Tensor,
@@ -872,15 +872,17 @@ def _opaque_casts(casts_fp8: bool, q: torch.Tensor) -> dict:
     assembly): per DECODE_FP8_OPAQUE_K_CAST / _V_CAST, where the tile casts an fp8 cache to 16 bits
     (`casts_fp8`: an fp8 cache whose tiles are converted, not fed to the fp8 tensor cores) on an
     NVIDIA GPU, not under Triton's interpreter (which runs no assembly)."""
-    applies = casts_fp8 and q.dtype != torch.float32 and _runs_ptx(q)
+    applies = casts_fp8 and _opaque_identity_runs(q)
     v_cast = applies and DECODE_FP8_OPAQUE_V_CAST
     return dict(OPAQUE_K_CAST=v_cast and DECODE_FP8_OPAQUE_K_CAST, OPAQUE_V_CAST=v_cast)
 
 
-def _runs_ptx(q: torch.Tensor) -> bool:
-    """Whether the kernels run as NVIDIA PTX (`_opaque_identity`'s inline assembly): not under
-    Triton's interpreter, not on ROCm."""
-    return q.is_cuda and torch.version.hip is None and not triton.knobs.runtime.interpret
+def _opaque_identity_runs(q: torch.Tensor) -> bool:
+    """Whether `_opaque_identity`'s inline assembly (two 16-bit values a register) can take q's
+    dtype and tiles cast to it: 16-bit queries, run as NVIDIA PTX (not under Triton's interpreter,
+    not on ROCm)."""
+    return (q.element_size() == 2 and q.is_cuda and torch.version.hip is None
+            and not triton.knobs.runtime.interpret)
 
 
 def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype, qpk: int) -> bool:
