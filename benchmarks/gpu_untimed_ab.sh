@@ -25,6 +25,8 @@
 #             with pages of 64 and the TMA kernel (what a larger default page would cost or give) and with
 #             the RoPE kernel apart; an fp8 cache with and without the fused RoPE (triton_decode_fma's)
 #
+# TTFT_VARIANTS and B1_VARIANTS (names apart by spaces) choose a subset of each step's variants.
+#
 #   STEPS="kernels tests" bash benchmarks/gpu_untimed_ab.sh
 #   STEPS=ttft bash benchmarks/gpu_untimed_ab.sh
 #   STEPS=b1 bash benchmarks/gpu_untimed_ab.sh
@@ -46,9 +48,12 @@ VARIANTS=(  # name, then arguments
   "both|--attn-constants {\"QUERY_TILES_OUTER\":true,\"SOFTMAX_SCALE_IN_EXP\":true}"
   "fp8|--kv-cache-dtype fp8"
   "fp8unfused|--kv-cache-dtype fp8 --attn-constants {\"DECODE_FUSED_ROPE\":false}"
+  "fp8scaleexp|--kv-cache-dtype fp8 --attn-constants {\"SOFTMAX_SCALE_IN_EXP\":true}"
 )
-TTFT_VARIANTS=(default qouter scaleexp both split8 tma64 gather64 unfused)
-B1_VARIANTS=(default scaleexp tma64 unfused fp8 fp8unfused)
+# shellcheck disable=SC2206  # the variant lists may come from the environment, names apart by spaces
+TTFT_VARIANTS=(${TTFT_VARIANTS:-default qouter scaleexp both split8 tma64 gather64 unfused})
+# shellcheck disable=SC2206
+B1_VARIANTS=(${B1_VARIANTS:-default scaleexp tma64 unfused fp8 fp8unfused fp8scaleexp})
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2
