@@ -263,15 +263,18 @@ PREFILL_TARGET_PROGRAMS_PER_SM = 1
 # 8,192-token chunk with no prefix finishes at 1.24x its mean load (the last chunk of a 32k prompt at 1.06x),
 # heaviest first across heads at 1.01x (1.03x) (benchmarks/sim_prefill_grid.py); on an H200 the kernel ran
 # that first chunk at 317 TFLOP/s against 393 for the last (RESULTS.md "Twenty-fifth session"). Decode grids
-# (one query tile) start in the same order either way. Off: not yet timed on a GPU
-# (benchmarks/gpu_untimed_ab.sh).
-QUERY_TILES_OUTER = False
+# (one query tile) start in the same order either way. On an H200 that first chunk's 28 layers took 20.0 ms
+# against 24.2 (385 against 318 TFLOP/s), the last chunk 129.9 against 133.0; the 32k prompt's TTFT 0.365 s
+# against 0.369 (RESULTS.md "Twenty-sixth session").
+QUERY_TILES_OUTER = True
 MAX_GRID_YZ = 65535     # CUDA's limit on a grid's second and third axes
 # The softmax scale inside each exponent's fused multiply-add (`_attend_kv_tile`'s SCALE_IN_EXP), as
 # FlashAttention does, instead of a multiply of every score first: the large prefill tile's sm_90 loop,
 # 836 instructions a warp a KV tile, has 192 FMUL, 128 of them the accumulator's rescale and 64 the
 # scores' scale (benchmarks/attn_sass.py; RESULTS.md "Twenty-fifth session"). Exact up to rounding (one
-# rounding of score x scale - max instead of two). Off: not yet timed on a GPU (gpu_untimed_ab.sh).
+# rounding of score x scale - max instead of two). Off: on an H200 it changed neither the prefill kernel
+# (132.5 against 133.0 ms for the 32k prompt's last chunk) nor B1 (25,073 against 25,155 tok/s; fp8 cache
+# 34,003 against 33,987) beyond the run-to-run spread (RESULTS.md "Twenty-sixth session").
 SOFTMAX_SCALE_IN_EXP = False
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 48
