@@ -121,7 +121,7 @@ class AsyncLLM:
         _check_interval(log_stats_interval)
         if multiprocess_mode:
             from nanovllm.engine.core_client import MPClient
-            self._start(MPClient(model, engine_kwargs, log_stats_interval))
+            self._start(MPClient.start(model, engine_kwargs, log_stats_interval))
             return
         engine = LLMEngine(model, **engine_kwargs) if model is not None else LLMEngine(**engine_kwargs)
         self._start(EngineThread(engine, log_stats_interval))
@@ -133,6 +133,16 @@ class AsyncLLM:
         _check_interval(log_stats_interval)
         self = cls.__new__(cls)
         self._start(EngineThread(engine, log_stats_interval))
+        return self
+
+    @classmethod
+    def from_engine_process(cls, ends: tuple) -> "AsyncLLM":
+        """A frontend of an engine process that other frontends share (process mode):
+        `ends` is this frontend's pair of `EngineProcess.client_ends`. Its `shutdown` leaves the
+        engine (which aborts this frontend's requests) rather than stopping it."""
+        from nanovllm.engine.core_client import MPClient
+        self = cls.__new__(cls)
+        self._start(MPClient(ends))
         return self
 
     def _start(self, core) -> None:

@@ -1,8 +1,8 @@
 """MPClient: the frontend's side of an engine running in its own process (engine_core.py).
 
 `AsyncLLM(multiprocess_mode=True)` talks to its engine through this (vLLM V1's `MPClient`):
-it spawns the engine process, waits for its start-up report (the tokenizer copy, the
-settings), and then, on the event loop only,
+`EngineProcess` spawns the engine process; the client waits for its start-up report (the
+tokenizer copy, the settings), and then, on the event loop only,
 
 - sends commands (add, abort, call), collected over one turn of the loop into one message;
 - reads the engine's messages with `loop.add_reader` on the pipe, so no thread of this
@@ -14,8 +14,11 @@ settings), and then, on the event loop only,
 Two one-way pipes (`multiprocessing.Pipe`, pickled messages): no ports or paths. A reader
 thread in the engine process drains the command pipe, so a write here never waits for a
 step; the engine writes its outputs from its loop and this side drains them every turn.
-`shutdown` (also run at exit and when the client is collected) stops the process: a stop
-command, then SIGTERM, then SIGKILL.
+`shutdown` stops the process (also run at exit and when the process object is collected):
+a stop command, then SIGTERM, then SIGKILL.
+
+Several frontend processes may share one engine process (the server's --api-server-count):
+each has its own pair of pipes and its own client, which leaves on `shutdown` instead.
 """
 import asyncio
 import atexit
@@ -38,29 +41,55 @@ SHUTDOWN_JOIN_S = 30.0    # how long `shutdown` lets the engine finish its step 
 TERMINATE_JOIN_S = 5.0    # then after SIGTERM, before SIGKILL
 
 
-class MPClient:
-    """The engine in a spawned child process; see the module docstring.
+class EngineProcess:
+    """The spawned engine process and the frontends' ends of its pipes (`client_ends`: one
+    (command, output) pair a frontend). `stop` (also run at exit) ends it: a stop command, then
+    SIGTERM, then SIGKILL.
 
     Args:
         model, engine_kwargs: what `LLMEngine(model, **engine_kwargs)` gets in the child.
         log_stats_interval: seconds between the child's throughput lines (0: never).
+        num_clients: frontends that will talk to it (the server's --api-server-count).
+    """
+
+    def __init__(self, model: str | None, engine_kwargs: dict, log_stats_interval: float, num_clients: int = 1):
+        ctx = multiprocessing.get_context("spawn")
+        child_ends, self.client_ends = [], []
+        for _ in range(num_clients):
+            cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+            out_recv, out_send = ctx.Pipe(duplex=False)
+            child_ends.append((cmd_recv, out_send))
+            self.client_ends.append((cmd_send, out_recv))
+        self.proc = ctx.Process(target=run_engine_core, name="nanovllm-engine-core",
+                                args=(child_ends, model, engine_kwargs, log_stats_interval, _log_setup()))
+        self.proc.start()
+        for cmd_recv, out_send in child_ends:   # the child's ends: a pipe ends (EOF) when the child does
+            cmd_recv.close()
+            out_send.close()
+        # registered now, after multiprocessing's own exit hook (which would wait for the child)
+        atexit.register(_stop_process, self.proc, self.client_ends)
+        weakref.finalize(self, _stop_process, self.proc, self.client_ends)
+
+    def stop(self) -> None:
+        """Stop the engine process and wait for it; idempotent."""
+        _stop_process(self.proc, self.client_ends)
+
+
+class MPClient:
+    """One frontend's side of the engine process; see the module docstring.
+
+    Args:
+        ends: this frontend's (command, output) pipe ends, one of `EngineProcess.client_ends`.
+        process: the engine process when this client owns it (`shutdown` stops it), None when
+            other frontends share it (`shutdown` only leaves: the engine aborts this client's
+            requests, and stops once the last frontend has left).
     Raises what the engine's start-up raised (ValueError for bad settings), or
     EngineDeadError if the process died before it was ready.
     """
 
-    def __init__(self, model: str | None, engine_kwargs: dict, log_stats_interval: float):
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._cmd_conn = ctx.Pipe(duplex=False)
-        self._out_conn, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, name="nanovllm-engine-core",
-                                 args=(cmd_recv, out_send, model, engine_kwargs, log_stats_interval, _log_setup()))
-        self._proc.start()
-        self.pid = self._proc.pid
-        cmd_recv.close()   # the child's ends: the pipe ends (EOF) when the child does
-        out_send.close()
-        # registered now, after multiprocessing's own exit hook (which would wait for the child)
-        atexit.register(_stop_process, self._proc, self._cmd_conn, self._out_conn)
-        weakref.finalize(self, _stop_process, self._proc, self._cmd_conn, self._out_conn)
+    def __init__(self, ends: tuple, process: EngineProcess | None = None):
+        self._cmd_conn, self._out_conn = ends
+        self._process = process
         self.dead_error: EngineDeadError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[list[RequestOutput]], None] | None = None
@@ -74,13 +103,20 @@ class MPClient:
         try:
             info = self._wait_ready()
         except BaseException:
-            _stop_process(self._proc, self._cmd_conn, self._out_conn)
+            self._leave()
             raise
+        self.pid = info.pid
         self.tokenizer = info.tokenizer
         self.config = info.config
         self.generation_defaults = info.generation_defaults
         self.max_model_len = info.max_model_len
         self._stats = info.stats
+
+    @classmethod
+    def start(cls, model: str | None, engine_kwargs: dict, log_stats_interval: float) -> "MPClient":
+        """Spawn an engine process for this client alone."""
+        process = EngineProcess(model, engine_kwargs, log_stats_interval)
+        return cls(process.client_ends[0], process)
 
     def _wait_ready(self) -> StartupInfo:
         while True:
@@ -92,15 +128,23 @@ class MPClient:
                 if kind == "ready":
                     return value
                 raise value   # the engine's own start-up error
-            if not self._proc.is_alive():
+            if self._process is not None and not self._process.proc.is_alive():
                 break
-        self._proc.join(TERMINATE_JOIN_S)
-        raise EngineDeadError(f"the engine process exited during start-up (exit code {self._proc.exitcode})")
+        raise EngineDeadError(f"the engine process exited during start-up{self._exit_code()}")
+
+    def _exit_code(self) -> str:
+        """' (exit code N)' when this client owns the process (after waiting a little for it), else ''."""
+        if self._process is None:
+            return ""
+        self._process.proc.join(STARTUP_POLL_S)
+        return f" (exit code {self._process.proc.exitcode})"
 
     # ---- what AsyncLLM calls (on its event loop) --------------------------------------------
 
     def is_alive(self) -> bool:
-        return self._proc.is_alive()
+        if self._process is not None:
+            return self._process.proc.is_alive()
+        return not self._out_conn.closed   # closed when the engine's pipe ended
 
     def stats(self) -> EngineStats:
         """The engine's state as of its last message (each step and command batch sends it)."""
@@ -142,10 +186,16 @@ class MPClient:
         return done
 
     def shutdown(self) -> None:
-        """Stop the engine process and wait for it; idempotent."""
+        """Stop the engine process and wait for it, or, sharing it, leave it; idempotent."""
         self._flush()
         self._remove_reader()
-        _stop_process(self._proc, self._cmd_conn, self._out_conn)
+        self._leave()
+
+    def _leave(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+        self._cmd_conn.close()
+        self._out_conn.close()
 
     # ---- sending ---------------------------------------------------------------------------
 
@@ -219,10 +269,10 @@ class MPClient:
     def _on_engine_exit(self) -> None:
         self._remove_reader()
         self._out_conn.close()
-        self._proc.join(STARTUP_POLL_S)
+        message = f"the engine process exited{self._exit_code()}"
         if self.dead_error is None:
-            logger.error("the engine process exited (exit code %s)", self._proc.exitcode)
-        self._set_dead(EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode})"))
+            logger.error("%s", message)
+        self._set_dead(EngineDeadError(message))
         calls, self._calls = self._calls, {}
         for done in calls.values():
             done.set_exception(self.dead_error)
@@ -247,13 +297,16 @@ class MPClient:
                 pass
 
 
-def _stop_process(proc, cmd_conn, out_conn) -> None:
-    """Stop the engine process: a stop command, then SIGTERM, then SIGKILL; close the pipes."""
-    if proc.is_alive() and not cmd_conn.closed:
-        try:
-            cmd_conn.send([STOP])
-        except OSError:
-            pass
+def _stop_process(proc, client_ends: list[tuple]) -> None:
+    """Stop the engine process: a stop command (through any frontend's pipe still open), then
+    SIGTERM, then SIGKILL; close the pipes."""
+    if proc.is_alive():
+        for cmd_conn, _ in client_ends:
+            try:
+                cmd_conn.send([STOP])
+                break
+            except OSError:   # closed (a frontend left) or broken
+                continue
         proc.join(SHUTDOWN_JOIN_S)
     if proc.is_alive():
         proc.terminate()
@@ -261,8 +314,9 @@ def _stop_process(proc, cmd_conn, out_conn) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join()
-    cmd_conn.close()
-    out_conn.close()
+    for cmd_conn, out_conn in client_ends:
+        cmd_conn.close()
+        out_conn.close()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -14,8 +14,13 @@ ValueError the frontend turns into a 400; stop strings need the text where the e
 stops): the frontend is the busier side in serving, so it gets the lighter share.
 A delta crosses the pipe as a tuple without its prompt (`encode_outputs`; the frontend
 keeps each request's prompt from its acceptance): pickling dataclasses cost ~8x more.
+
+Several frontends (the server's --api-server-count, vLLM's name) each get their own pair of
+pipes: a request's deltas go back to the frontend that added it, a fault to all of them. A
+frontend that goes away has its requests aborted; the loop stops when the last one has gone.
 """
 import logging
+import os
 import queue
 import signal
 import threading
@@ -29,7 +34,8 @@ logger = logging.getLogger("nanovllm")
 
 # An idle engine loop wakes this often to write the throughput line.
 IDLE_POLL_S = 0.5
-STOP = ("stop",)   # the command that ends the loop (also queued when the frontend goes away)
+STOP = ("stop",)   # the command that ends the loop
+GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
 
 
 class EngineDeadError(RuntimeError):
@@ -62,6 +68,7 @@ class StartupInfo:
     generation_defaults: dict
     max_model_len: int
     stats: EngineStats
+    pid: int   # the engine process's
 
 
 # ---- the wire format of one step's deltas ------------------------------------------------------
@@ -128,9 +135,10 @@ def throughput_line(engine, prompt_tps: float, generation_tps: float) -> str:
 
 # ---- the child process -------------------------------------------------------------------------
 
-def run_engine_core(cmd_conn, out_conn, model: str | None, engine_kwargs: dict, log_stats_interval: float,
+def run_engine_core(conns: list[tuple], model: str | None, engine_kwargs: dict, log_stats_interval: float,
                     log_setup: tuple[int, str | None]) -> None:
-    """The child's entry: build the engine, report ready (or the start-up error), run the loop."""
+    """The child's entry: build the engine, report ready (or the start-up error) to every frontend
+    (`conns`: one (command, output) pipe pair each), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the whole group: the frontend decides
     level, fmt = log_setup
     logging.basicConfig(level=level, **({"format": fmt} if fmt else {}))
@@ -139,43 +147,49 @@ def run_engine_core(cmd_conn, out_conn, model: str | None, engine_kwargs: dict, 
         from nanovllm.engine.llm_engine import LLMEngine
         engine = LLMEngine(model, **engine_kwargs) if model is not None else LLMEngine(**engine_kwargs)
         info = StartupInfo(engine.tokenizer, engine.config, engine.generation_defaults, engine.max_model_len,
-                           engine_stats(engine))
+                           engine_stats(engine), os.getpid())
     except BaseException as e:
-        out_conn.send(("startup_error", _picklable(e)))
+        for _, out_conn in conns:
+            out_conn.send(("startup_error", _picklable(e)))
         return
-    core = EngineCoreProc(engine, cmd_conn, out_conn, log_stats_interval)
-    signal.signal(signal.SIGTERM, lambda *_: core.commands.put(STOP))
-    out_conn.send(("ready", info))
+    core = EngineCoreProc(engine, conns, log_stats_interval)
+    signal.signal(signal.SIGTERM, lambda *_: core.commands.put((None, [STOP])))
+    for client in range(len(conns)):
+        core.send(client, ("ready", info))
     core.run()
 
 
 class EngineCoreProc:
-    """The engine loop of the child: commands from the frontend between steps, one message a step.
+    """The engine loop of the child: commands from the frontends between steps, one message a step
+    to each frontend with deltas in it.
 
-    A reader thread moves each command message from the pipe into a queue, so the frontend's
-    writes never wait for a step to end, and `LLMEngine.requests_arriving` sees what is queued
-    (no round is chained past it). Faults: an exception in `step()` aborts every live request
-    (freeing their blocks), sends "dead" with the message, and refuses new requests; the loop
-    still answers calls until the frontend stops it.
+    A reader thread a frontend moves each command message from its pipe into one queue, so the
+    frontends' writes never wait for a step to end, and `LLMEngine.requests_arriving` sees what is
+    queued (no round is chained past it). Faults: an exception in `step()` aborts every live request
+    (freeing their blocks), sends "dead" with the message to every frontend, and refuses new
+    requests; the loop still answers calls until the frontends stop it.
     """
 
-    def __init__(self, engine, cmd_conn, out_conn, log_stats_interval: float):
+    def __init__(self, engine, conns: list[tuple], log_stats_interval: float):
         self.engine = engine
-        self.out_conn = out_conn
-        self.commands: queue.Queue = queue.Queue()
+        self.out_conns = [out_conn for _, out_conn in conns]
+        self.connected = set(range(len(conns)))     # the frontends still there
+        self.commands: queue.Queue = queue.Queue()  # (frontend or None, command message)
         self.live_ids: set[str] = set()
+        self.owners: dict[str, int] = {}            # live request -> the frontend that added it
         self.dead_error: str | None = None
         self.throughput = ThroughputLog(log_stats_interval)
         engine.serve_online(lambda: not self.commands.empty())
-        threading.Thread(target=self._read_commands, args=(cmd_conn,), name="nanovllm-engine-input",
-                         daemon=True).start()
+        for client, (cmd_conn, _) in enumerate(conns):
+            threading.Thread(target=self._read_commands, args=(client, cmd_conn), name=f"nanovllm-engine-input-{client}",
+                             daemon=True).start()
 
-    def _read_commands(self, cmd_conn) -> None:
+    def _read_commands(self, client: int, cmd_conn) -> None:
         try:
             while True:
-                self.commands.put(cmd_conn.recv())
-        except (EOFError, OSError):   # the frontend closed its end or exited: stop
-            self.commands.put([STOP])
+                self.commands.put((client, cmd_conn.recv()))
+        except (EOFError, OSError):   # the frontend closed its end or exited
+            self.commands.put((client, [GONE]))
 
     def run(self) -> None:
         try:
@@ -184,7 +198,7 @@ class EngineCoreProc:
                     self._step()
                 self.throughput.maybe_log(self.engine)
         finally:
-            self._abort_all()
+            self._abort(list(self.live_ids))
             try:
                 self.engine.shutdown()   # tensor-parallel worker processes, if any
             except Exception:
@@ -196,45 +210,51 @@ class EngineCoreProc:
     def _run_commands(self, block: bool) -> bool:
         """Run every queued command message (waiting a little for one if `block`); False on stop."""
         try:
-            batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
+            client, batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
         except queue.Empty:
             return True
-        accepted, replies, changed = [], [], False
+        accepted: dict[int, list] = {}   # frontend -> its accepted adds (and the changed ones: [])
+        replies: list[tuple[int, tuple]] = []
         while True:
             for command in batch:
                 if command == STOP:
                     return False
-                changed |= self._run_command(command, accepted, replies)
+                self._run_command(client, command, accepted, replies)
+            if not self.connected:
+                return False
             try:
-                batch = self.commands.get_nowait()
+                client, batch = self.commands.get_nowait()
             except queue.Empty:
                 break
-        if accepted or changed:
-            self._send(("accepted", accepted, engine_stats(self.engine)))
-        for reply in replies:   # after the stats: a caller that got its reply has them too
-            self._send(reply)
+        stats = engine_stats(self.engine)
+        for target, adds in accepted.items():
+            self.send(target, ("accepted", adds, stats))
+        for target, reply in replies:   # after the stats: a caller that got its reply has them too
+            self.send(target, reply)
         return True
 
-    def _run_command(self, command: tuple, accepted: list, replies: list) -> bool:
-        """Run one command; True if it changed the engine's requests."""
+    def _run_command(self, client: int, command: tuple, accepted: dict[int, list], replies: list) -> None:
+        """Run one command of `client`; a change to its requests marks it in `accepted`."""
         kind = command[0]
         if kind == "add":
-            accepted.append(self._add(*command[1:]))
-            return True
-        if kind == "abort":
-            request_id = command[1]
-            if request_id in self.live_ids:
-                self.live_ids.discard(request_id)
-                self.engine.abort(request_id)
-                logger.info("aborted request %s", request_id)
-                return True
-            return False
-        if kind == "call":
-            replies.append(self._call(*command[1:]))
-            return False
-        raise AssertionError(f"unknown engine command {kind!r}")
+            accepted.setdefault(client, []).append(self._add(client, *command[1:]))
+        elif kind == "abort":
+            if command[1] in self.live_ids:
+                self._abort([command[1]])
+                logger.info("aborted request %s", command[1])
+                accepted.setdefault(client, [])
+        elif kind == "call":
+            replies.append((client, self._call(*command[1:])))
+        elif kind == "gone":
+            self.connected.discard(client)
+            orphans = [request_id for request_id, owner in self.owners.items() if owner == client]
+            if orphans and self.connected:
+                logger.warning("a frontend went away: aborting its %d request(s)", len(orphans))
+            self._abort(orphans)
+        else:
+            raise AssertionError(f"unknown engine command {kind!r}")
 
-    def _add(self, request_id: str, prompt, params) -> tuple:
+    def _add(self, client: int, request_id: str, prompt, params) -> tuple:
         """(request_id, error or None, prompt text, prompt token ids) for the frontend."""
         if self.dead_error is not None:
             return request_id, EngineDeadError(self.dead_error), None, None
@@ -243,6 +263,7 @@ class EngineCoreProc:
         except Exception as e:   # ValueError for bad input, passed on as it is
             return request_id, _picklable(e), None, None
         self.live_ids.add(request_id)
+        self.owners[request_id] = client
         state = self.engine.output_processor.requests[request_id]
         return request_id, None, state.prompt, state.prompt_token_ids
 
@@ -258,27 +279,39 @@ class EngineCoreProc:
         except Exception as e:
             self._die(e)
             return
-        if outputs:
-            self._send(("outputs", encode_outputs(outputs), engine_stats(self.engine)))
+        if not outputs:
+            return
+        stats = engine_stats(self.engine)
+        by_client: dict[int, list[RequestOutput]] = {}
+        for output in outputs:
+            owner = (self.owners.pop if output.finished else self.owners.get)(output.request_id, None)
+            if owner is not None:   # None: aborted (its frontend gone) while an earlier step was in flight
+                by_client.setdefault(owner, []).append(output)
+        for client, its_outputs in by_client.items():
+            self.send(client, ("outputs", encode_outputs(its_outputs), stats))
 
     def _die(self, error: Exception) -> None:
         logger.exception("engine step failed; failing %d in-flight request(s)", len(self.live_ids))
         self.dead_error = f"the engine failed: {type(error).__name__}: {error}"
-        self._abort_all()
-        self._send(("dead", self.dead_error, engine_stats(self.engine)))
+        self._abort(list(self.live_ids))
+        stats = engine_stats(self.engine)
+        for client in range(len(self.out_conns)):
+            self.send(client, ("dead", self.dead_error, stats))
 
-    def _abort_all(self) -> None:
-        for request_id in list(self.live_ids):
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
             self.live_ids.discard(request_id)
+            self.owners.pop(request_id, None)
             try:
                 self.engine.abort(request_id)
             except Exception:   # the engine's state may be broken after a fault
                 logger.exception("could not abort request %s", request_id)
 
-    def _send(self, message: tuple) -> None:
+    def send(self, client: int, message: tuple) -> None:
+        """Send `message` to frontend `client`, unless it has gone."""
         try:
-            self.out_conn.send(message)
-        except (BrokenPipeError, OSError):   # the frontend is gone; the reader thread stops the loop
+            self.out_conns[client].send(message)
+        except (BrokenPipeError, OSError):   # the frontend is gone; its reader thread reports it
             pass
 
 
