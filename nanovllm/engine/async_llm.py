@@ -247,13 +247,15 @@ class AsyncLLM:
         return self._core.run_in_engine(fn)
 
     def shutdown(self) -> None:
-        """Abort every request, stop the engine loop (and the engine's workers) and wait for it."""
+        """Abort every request, stop the engine loop (and the engine's workers) and wait for it; or,
+        an engine process shared with other frontends (`from_engine_process`), leave it."""
         if self._core.dead_error is None:
             self._core.dead_error = EngineDeadError("the engine is shutting down")
         num_aborted = len(self._streams)
         self._fail_streams(self._core.dead_error)
         self._core.shutdown()
-        logger.info("engine stopped; %d unfinished request(s) aborted", num_aborted)
+        what = "left the shared engine process" if getattr(self._core, "shares_engine", False) else "engine stopped"
+        logger.info("%s; %d unfinished request(s) aborted", what, num_aborted)
 
     def _check_alive(self) -> None:
         if self._core.dead_error is not None:

@@ -90,6 +90,7 @@ class MPClient:
     def __init__(self, ends: tuple, process: EngineProcess | None = None):
         self._cmd_conn, self._out_conn = ends
         self._process = process
+        self.shares_engine = process is None
         self.dead_error: EngineDeadError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[list[RequestOutput]], None] | None = None
@@ -246,6 +247,8 @@ class MPClient:
                 else:
                     self._prompts[request_id] = (prompt, prompt_token_ids)
                     future.set_result(None)
+        elif kind == "stats":
+            _, self._stats = message
         elif kind == "reply":
             _, call_id, ok, value = message
             done = self._calls.pop(call_id)

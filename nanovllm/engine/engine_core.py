@@ -35,6 +35,7 @@ logger = logging.getLogger("nanovllm")
 # An idle engine loop wakes this often to write the throughput line.
 IDLE_POLL_S = 0.5
 STOP = ("stop",)   # the command that ends the loop
+STATS_MESSAGES = ("outputs", "accepted", "stats", "dead")   # the engine's messages that end with its stats
 GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
 
 
@@ -174,6 +175,7 @@ class EngineCoreProc:
         self.engine = engine
         self.out_conns = [out_conn for _, out_conn in conns]
         self.connected = set(range(len(conns)))     # the frontends still there
+        self.sent_stats: list[EngineStats | None] = [None] * len(conns)   # the last each frontend got
         self.commands: queue.Queue = queue.Queue()  # (frontend or None, command message)
         self.live_ids: set[str] = set()
         self.owners: dict[str, int] = {}            # live request -> the frontend that added it
@@ -229,6 +231,7 @@ class EngineCoreProc:
         stats = engine_stats(self.engine)
         for target, adds in accepted.items():
             self.send(target, ("accepted", adds, stats))
+        self._send_stats(stats)
         for target, reply in replies:   # after the stats: a caller that got its reply has them too
             self.send(target, reply)
         return True
@@ -289,6 +292,14 @@ class EngineCoreProc:
                 by_client.setdefault(owner, []).append(output)
         for client, its_outputs in by_client.items():
             self.send(client, ("outputs", encode_outputs(its_outputs), stats))
+        self._send_stats(stats)
+
+    def _send_stats(self, stats: EngineStats) -> None:
+        """`stats` to every frontend whose last message had other ones (each one's /metrics reads
+        the engine's state from its own messages)."""
+        for client in self.connected:
+            if self.sent_stats[client] != stats:
+                self.send(client, ("stats", stats))
 
     def _die(self, error: Exception) -> None:
         logger.exception("engine step failed; failing %d in-flight request(s)", len(self.live_ids))
@@ -309,6 +320,8 @@ class EngineCoreProc:
 
     def send(self, client: int, message: tuple) -> None:
         """Send `message` to frontend `client`, unless it has gone."""
+        if message[0] in STATS_MESSAGES:
+            self.sent_stats[client] = message[-1]
         try:
             self.out_conns[client].send(message)
         except (BrokenPipeError, OSError):   # the frontend is gone; its reader thread reports it

@@ -78,6 +78,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="run the engine loop in a process of its own (the default for a CPU engine on more "
                              "than one thread), fed through a pipe: the server's event loop and the engine's "
                              "steps run on separate cores, each with its own GIL")
+    server.add_argument("--api-server-count", type=int, default=1,
+                        help="API server processes on the one port, sharing one engine process (vLLM's flag): "
+                             "HTTP, chat templates and stream chunks spread over more cores (default 1)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="let the model call tools itself (tool_choice 'auto'); needs --tool-call-parser")
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -117,12 +120,13 @@ class ServerState:
     """What the routes share: the engine, the handlers, metrics and the security settings."""
 
     def __init__(self, async_llm, served_model_names: list[str], chat_template, api_key: str | None,
-                 max_request_body_bytes: int, tool_parser: str | None = None, reasoning_parser: str | None = None):
+                 max_request_body_bytes: int, tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 metrics_shared: tuple | None = None):
         from nanovllm.entrypoints.openai.metrics import ServerMetrics
         from nanovllm.entrypoints.openai.serving_chat import OpenAIServingChat
         from nanovllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
         self.async_llm = async_llm
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(metrics_shared)
         self.completion = OpenAIServingCompletion(async_llm, served_model_names, self.metrics)
         reasoning = None if reasoning_parser is None else reasoning_config(reasoning_parser, async_llm.tokenizer)
         self.chat = OpenAIServingChat(async_llm, served_model_names, self.metrics, chat_template, tool_parser,
@@ -140,10 +144,11 @@ class ServerState:
 
 def build_app(async_llm, served_model_names: list[str], chat_template=None, api_key: str | None = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, tool_parser: str | None = None,
-              reasoning_parser: str | None = None):
-    """The FastAPI app serving `async_llm`; its shutdown stops the engine. `tool_parser`: the
-    parser of tool_choice "auto" (None: "auto" is refused); `reasoning_parser`: a name of
-    reasoning_parsers.py (ValueError if this tokenizer lacks its tags)."""
+              reasoning_parser: str | None = None, metrics_shared: tuple | None = None):
+    """The FastAPI app serving `async_llm`; its shutdown stops the engine (or leaves it, when other
+    servers share it). `tool_parser`: the parser of tool_choice "auto" (None: "auto" is refused);
+    `reasoning_parser`: a name of reasoning_parsers.py (ValueError if this tokenizer lacks its tags);
+    `metrics_shared`: (metrics.SharedMetricsRows, this server's row) when several servers run."""
     from fastapi import Depends, Request
     from nanovllm import __version__
     from nanovllm.entrypoints.openai.asgi_routes import server_app_class
@@ -154,7 +159,7 @@ def build_app(async_llm, served_model_names: list[str], chat_template=None, api_
         async_llm.shutdown()
 
     state = ServerState(async_llm, served_model_names, chat_template, api_key, max_request_body_bytes,
-                        tool_parser, reasoning_parser)
+                        tool_parser, reasoning_parser, metrics_shared)
     app = server_app_class()(title="nano-vLLM OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
@@ -243,17 +248,16 @@ def main(args: argparse.Namespace) -> None:
         if args.disable_uvicorn_access_log:
             raise SystemExit("nanovllm serve: error: --disable-uvicorn-access-log is for the single-engine "
                              "server; Ray Serve's proxy writes its own access log")
-        if args.multiprocess_mode is not None:
-            raise SystemExit("nanovllm serve: error: --enable/--disable-frontend-multiprocessing are for the "
-                             "single-engine server; a Ray Serve replica runs its engine in a thread of its own "
-                             "actor, apart from the HTTP proxy already")
+        if args.multiprocess_mode is not None or args.api_server_count != 1:
+            raise SystemExit("nanovllm serve: error: --enable/--disable-frontend-multiprocessing and "
+                             "--api-server-count are for the single-engine server; a Ray Serve replica runs "
+                             "its engine in a thread of its own actor, apart from the HTTP proxy already")
         from nanovllm.entrypoints.ray.serve import main as serve_on_ray
         return serve_on_ray(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        raise SystemExit("nanovllm serve: error: --enable-auto-tool-choice and --tool-call-parser go together")
+    _check_server_args(args)
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (missing: the message below, before the slow model load)
         from nanovllm.engine.async_llm import AsyncLLM
         from nanovllm.engine.cpu_compile import server_compilation_mode
         from nanovllm.entrypoints.openai.chat_template import load_chat_template
@@ -262,22 +266,45 @@ def main(args: argparse.Namespace) -> None:
         kwargs = engine_kwargs(args)
         multiprocess = args.multiprocess_mode
         if multiprocess is None:
-            multiprocess = default_multiprocess_mode(kwargs.get("device", "auto"))
+            multiprocess = args.api_server_count > 1 or default_multiprocess_mode(kwargs.get("device", "auto"))
         kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: by its kind
+        if args.api_server_count > 1:
+            from nanovllm.entrypoints.openai.api_server_processes import serve_api_servers
+            return serve_api_servers(args, kwargs, build_uvicorn_server)
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **kwargs)
-        chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
-        names = args.served_model_name or [default_model_name(args.model, async_llm)]
-        app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
-                        args.tool_call_parser, args.reasoning_parser)
+        server = build_uvicorn_server(args, async_llm)
     except ImportError as e:
         raise SystemExit(f"nanovllm serve: error: the server needs fastapi, uvicorn and jinja2 "
                          f"(pip install fastapi uvicorn jinja2): {e}") from None
     except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
+    server.run()
+
+
+def _check_server_args(args: argparse.Namespace) -> None:
+    """The flags that go together or exclude each other (SystemExit with one line)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("nanovllm serve: error: --enable-auto-tool-choice and --tool-call-parser go together")
+    if args.api_server_count < 1:
+        raise SystemExit(f"nanovllm serve: error: --api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.multiprocess_mode is False:
+        raise SystemExit("nanovllm serve: error: --api-server-count above 1 runs the engine in a process of its "
+                         "own, which --disable-frontend-multiprocessing forbids")
+
+
+def build_uvicorn_server(args: argparse.Namespace, async_llm, metrics_shared: tuple | None = None):
+    """One server's app on `async_llm`, as a uvicorn Server not yet running (ValueError for a
+    bad chat template or reasoning parser)."""
+    import uvicorn
+    from nanovllm.entrypoints.openai.chat_template import load_chat_template
+    chat_template = load_chat_template(args.chat_template, async_llm.tokenizer)
+    names = args.served_model_name or [default_model_name(args.model, async_llm)]
+    app = build_app(async_llm, names, chat_template, args.api_key, args.max_request_body_bytes,
+                    args.tool_call_parser, args.reasoning_parser, metrics_shared)
     logger.info("serving %s (max_model_len %d, %d KV blocks)", names[0], async_llm.max_model_len,
                 async_llm.engine_stats.num_blocks)
-    uvicorn.Server(uvicorn_config(app, args)).run()
+    return uvicorn.Server(uvicorn_config(app, args))
 
 
 def default_multiprocess_mode(device: str) -> bool:

