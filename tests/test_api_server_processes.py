@@ -171,6 +171,8 @@ class _Servers:
         self.ready = threading.Event()
         threading.Thread(target=self._read_log, daemon=True).start()
         assert self.ready.wait(STARTUP_TIMEOUT_S) and self.port, "".join(self.log[-30:])
+        ready_at = next(i for i, line in enumerate(self.log) if READY_LINE.search(line))
+        assert any(STARTED_LINE in line for line in self.log[:ready_at]), "the port was announced before a server listened"
         self.url = f"http://127.0.0.1:{self.port}"
         children = child_pids(self.proc.pid)
         self.spawned = [pid for pid in children if b"spawn_main" in cmdline(pid)]   # the engine, server 1

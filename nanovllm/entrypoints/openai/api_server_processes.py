@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -43,9 +44,8 @@ def serve_api_servers(args: argparse.Namespace, engine_kwargs: dict, build_serve
     SIGTERM/SIGINT. `build_server(args, async_llm, metrics_shared)` builds one server's uvicorn
     Server (api_server.build_uvicorn_server). Raises what the engine's start-up raised."""
     from nanovllm.engine.async_llm import AsyncLLM
-    from nanovllm.entrypoints.openai.api_server import uvicorn_config
     count = args.api_server_count
-    sock = uvicorn_config(None, args).bind_socket()
+    sock = _bind_socket(args.host, args.port)
     engine = EngineProcess(args.model, engine_kwargs, args.log_stats_interval, num_clients=count)
     async_llm = AsyncLLM.from_engine_process(engine.client_ends[0])   # waits for the engine, or raises
     rows = SharedMetricsRows(count)
@@ -60,6 +60,7 @@ def serve_api_servers(args: argparse.Namespace, engine_kwargs: dict, build_serve
     for cmd_conn, out_conn in engine.client_ends[1:]:   # the servers' own now: their exit ends their pipes
         cmd_conn.close()
         out_conn.close()
+    _say_where_once_listening(uvicorn_server, sock)
     _pass_exit_on(uvicorn_server, servers)
     lost: list[str] = []   # what the watch thread saw: a server that exited on its own
     threading.Thread(target=_watch_servers, args=(uvicorn_server, servers, lost), name="nanovllm-api-server-watch",
@@ -107,8 +108,32 @@ def run_api_server(args: argparse.Namespace, sock, ends: tuple, rows: SharedMetr
         async_llm.shutdown()
 
 
+def _bind_socket(host: str, port: int) -> socket.socket:
+    """The servers' listening socket, bound (not yet listening: each server's uvicorn listens on it
+    and then logs its "Uvicorn running on" line, which clients wait for). OSError if taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
 def _log_level(args: argparse.Namespace) -> str:
     return args.log_level.upper()
+
+
+def _say_where_once_listening(uvicorn_server, sock: socket.socket) -> None:
+    """uvicorn's "Uvicorn running on" line, which it leaves out on sockets passed in, logged by the
+    first server once it listens (clients and scripts wait for that line, as with one server)."""
+    startup = uvicorn_server.startup
+
+    async def startup_and_say_where(sockets=None):
+        await startup(sockets=sockets)
+        if uvicorn_server.started:
+            host, port = sock.getsockname()[:2]
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                    f"[{host}]" if ":" in host else host, port)
+    uvicorn_server.startup = startup_and_say_where
 
 
 def _pass_exit_on(uvicorn_server, servers: list) -> None:
