@@ -15,7 +15,7 @@ Two one-way pipes (`multiprocessing.Pipe`, pickled messages): no ports or paths.
 thread in the engine process drains the command pipe, so a write here never waits for a
 step; the engine writes its outputs from its loop and this side drains them every turn.
 `shutdown` stops the process (also run at exit and when the process object is collected):
-a stop command, then SIGTERM, then SIGKILL.
+a stop command, then SIGKILL.
 
 Several frontend processes may share one engine process (the server's --api-server-count):
 each has its own pair of pipes and its own client, which leaves on `shutdown` instead.
@@ -38,13 +38,12 @@ logger = logging.getLogger("nanovllm")
 
 STARTUP_POLL_S = 0.5      # how often start-up checks that the engine process still lives
 SHUTDOWN_JOIN_S = 30.0    # how long `shutdown` lets the engine finish its step and stop
-TERMINATE_JOIN_S = 5.0    # then after SIGTERM, before SIGKILL
 
 
 class EngineProcess:
     """The spawned engine process and the frontends' ends of its pipes (`client_ends`: one
     (command, output) pair a frontend). `stop` (also run at exit) ends it: a stop command, then
-    SIGTERM, then SIGKILL.
+    SIGKILL.
 
     Args:
         model, engine_kwargs: what `LLMEngine(model, **engine_kwargs)` gets in the child.
@@ -247,8 +246,6 @@ class MPClient:
                 else:
                     self._prompts[request_id] = (prompt, prompt_token_ids)
                     future.set_result(None)
-        elif kind == "stats":
-            _, self._stats = message
         elif kind == "reply":
             _, call_id, ok, value = message
             done = self._calls.pop(call_id)
@@ -302,7 +299,7 @@ class MPClient:
 
 def _stop_process(proc, client_ends: list[tuple]) -> None:
     """Stop the engine process: a stop command (through any frontend's pipe still open), then
-    SIGTERM, then SIGKILL; close the pipes."""
+    SIGKILL; close the pipes."""
     if proc.is_alive():
         for cmd_conn, _ in client_ends:
             try:
@@ -311,10 +308,7 @@ def _stop_process(proc, client_ends: list[tuple]) -> None:
             except OSError:   # closed (a frontend left) or broken
                 continue
         proc.join(SHUTDOWN_JOIN_S)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(TERMINATE_JOIN_S)
-    if proc.is_alive():
+    if proc.is_alive():   # (it ignores SIGTERM: see engine_core.run_engine_core)
         proc.kill()
         proc.join()
     for cmd_conn, out_conn in client_ends:

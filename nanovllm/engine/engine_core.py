@@ -35,7 +35,6 @@ logger = logging.getLogger("nanovllm")
 # An idle engine loop wakes this often to write the throughput line.
 IDLE_POLL_S = 0.5
 STOP = ("stop",)   # the command that ends the loop
-STATS_MESSAGES = ("outputs", "accepted", "stats", "dead")   # the engine's messages that end with its stats
 GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
 
 
@@ -154,9 +153,10 @@ def run_engine_core(conns: list[tuple], model: str | None, engine_kwargs: dict, 
             out_conn.send(("startup_error", _picklable(e)))
         return
     core = EngineCoreProc(engine, conns, log_stats_interval)
-    signal.signal(signal.SIGTERM, lambda *_: core.commands.put((None, [STOP])))
-    for client in range(len(conns)):
-        core.send(client, ("ready", info))
+    # SIGTERM sent to the whole process group (systemd's default) must let the servers drain: the loop
+    # ends on the stop command or when the last frontend has left, as SIGINT's (ignored above)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    core.send_ready(info)
     core.run()
 
 
@@ -175,7 +175,7 @@ class EngineCoreProc:
         self.engine = engine
         self.out_conns = [out_conn for _, out_conn in conns]
         self.connected = set(range(len(conns)))     # the frontends still there
-        self.sent_stats: list[EngineStats | None] = [None] * len(conns)   # the last each frontend got
+        self.send_locks = [threading.Lock() for _ in conns]   # one writer a pipe at a time
         self.commands: queue.Queue = queue.Queue()  # (frontend or None, command message)
         self.live_ids: set[str] = set()
         self.owners: dict[str, int] = {}            # live request -> the frontend that added it
@@ -231,7 +231,6 @@ class EngineCoreProc:
         stats = engine_stats(self.engine)
         for target, adds in accepted.items():
             self.send(target, ("accepted", adds, stats))
-        self._send_stats(stats)
         for target, reply in replies:   # after the stats: a caller that got its reply has them too
             self.send(target, reply)
         return True
@@ -242,7 +241,7 @@ class EngineCoreProc:
         if kind == "add":
             accepted.setdefault(client, []).append(self._add(client, *command[1:]))
         elif kind == "abort":
-            if command[1] in self.live_ids:
+            if self.owners.get(command[1]) == client:   # a live request of this frontend's
                 self._abort([command[1]])
                 logger.info("aborted request %s", command[1])
                 accepted.setdefault(client, [])
@@ -292,14 +291,6 @@ class EngineCoreProc:
                 by_client.setdefault(owner, []).append(output)
         for client, its_outputs in by_client.items():
             self.send(client, ("outputs", encode_outputs(its_outputs), stats))
-        self._send_stats(stats)
-
-    def _send_stats(self, stats: EngineStats) -> None:
-        """`stats` to every frontend whose last message had other ones (each one's /metrics reads
-        the engine's state from its own messages)."""
-        for client in self.connected:
-            if self.sent_stats[client] != stats:
-                self.send(client, ("stats", stats))
 
     def _die(self, error: Exception) -> None:
         logger.exception("engine step failed; failing %d in-flight request(s)", len(self.live_ids))
@@ -318,14 +309,28 @@ class EngineCoreProc:
             except Exception:   # the engine's state may be broken after a fault
                 logger.exception("could not abort request %s", request_id)
 
-    def send(self, client: int, message: tuple) -> None:
-        """Send `message` to frontend `client`, unless it has gone."""
-        if message[0] in STATS_MESSAGES:
-            self.sent_stats[client] = message[-1]
+    def send_ready(self, info: StartupInfo) -> None:
+        """The start-up report to every frontend, each from a thread of its own: the report (the
+        tokenizer) is larger than a pipe holds, and a frontend still starting must not hold up the
+        others or the loop. A frontend's later messages wait for its report (its lock)."""
+        for client, lock in enumerate(self.send_locks):
+            lock.acquire()
+            threading.Thread(target=self._send_locked, args=(client, ("ready", info)), daemon=True,
+                             name=f"nanovllm-engine-ready-{client}").start()
+
+    def _send_locked(self, client: int, message: tuple) -> None:
+        """`send`'s write, the lock of `client` already held (released here)."""
         try:
             self.out_conns[client].send(message)
         except (BrokenPipeError, OSError):   # the frontend is gone; its reader thread reports it
             pass
+        finally:
+            self.send_locks[client].release()
+
+    def send(self, client: int, message: tuple) -> None:
+        """Send `message` to frontend `client`, unless it has gone."""
+        self.send_locks[client].acquire()
+        self._send_locked(client, message)
 
 
 def _picklable(error: BaseException) -> BaseException:

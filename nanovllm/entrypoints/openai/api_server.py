@@ -237,7 +237,19 @@ def _add_info_routes(app, state: ServerState, guarded: list) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(engine_snapshot(state.async_llm)), media_type=CONTENT_TYPE)
+        return Response(state.metrics.render(engine_snapshot(state.async_llm, await _fresh_stats(state.async_llm))),
+                        media_type=CONTENT_TYPE)
+
+
+async def _fresh_stats(async_llm):
+    """The engine's state read now, in process mode (a round trip to the engine process: its messages
+    to this server carry it only while this server has requests running), else None: live already."""
+    if not async_llm.multiprocess_mode or not async_llm.is_healthy:
+        return None
+    try:
+        return await async_llm.get_engine_stats()
+    except Exception:   # the engine died meanwhile: its last state
+        return None
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -273,13 +285,12 @@ def main(args: argparse.Namespace) -> None:
             return serve_api_servers(args, kwargs, build_uvicorn_server)
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **kwargs)
-        server = build_uvicorn_server(args, async_llm)
+        build_uvicorn_server(args, async_llm).run()
     except ImportError as e:
         raise SystemExit(f"nanovllm serve: error: the server needs fastapi, uvicorn and jinja2 "
                          f"(pip install fastapi uvicorn jinja2): {e}") from None
     except (ValueError, OSError) as e:
         raise SystemExit(f"nanovllm serve: error: {e}") from None
-    server.run()
 
 
 def _check_server_args(args: argparse.Namespace) -> None:

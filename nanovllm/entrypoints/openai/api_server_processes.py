@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -37,39 +38,23 @@ logger = logging.getLogger("nanovllm")
 
 # How long the parent waits for the other servers after their drain deadline, before SIGKILL.
 SERVER_EXIT_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1   # <sys/prctl.h>
 
 
 def serve_api_servers(args: argparse.Namespace, engine_kwargs: dict, build_server) -> None:
     """Run `args.api_server_count` servers (this process the first) on one engine process until
     SIGTERM/SIGINT. `build_server(args, async_llm, metrics_shared)` builds one server's uvicorn
     Server (api_server.build_uvicorn_server). Raises what the engine's start-up raised."""
-    from nanovllm.engine.async_llm import AsyncLLM
     count = args.api_server_count
     sock = _bind_socket(args.host, args.port)
-    engine = EngineProcess(args.model, engine_kwargs, args.log_stats_interval, num_clients=count)
-    async_llm = AsyncLLM.from_engine_process(engine.client_ends[0])   # waits for the engine, or raises
-    rows = SharedMetricsRows(count)
-    uvicorn_server = build_server(args, async_llm, (rows, 0))   # a bad setting fails before any spawn
-    ctx = multiprocessing.get_context("spawn")
-    servers = []
-    for index in range(1, count):
-        server = ctx.Process(target=run_api_server, name=f"nanovllm-api-server-{index}",
-                             args=(args, sock, engine.client_ends[index], rows, index, _log_level(args)))
-        server.start()
-        servers.append(server)
-    for cmd_conn, out_conn in engine.client_ends[1:]:   # the servers' own now: their exit ends their pipes
-        cmd_conn.close()
-        out_conn.close()
-    _say_where_once_listening(uvicorn_server, sock)
-    _pass_exit_on(uvicorn_server, servers)
-    lost: list[str] = []   # what the watch thread saw: a server that exited on its own
-    threading.Thread(target=_watch_servers, args=(uvicorn_server, servers, lost), name="nanovllm-api-server-watch",
-                     daemon=True).start()
-    # uvicorn re-raises a SIGTERM it drained for once it is done, which would end this process at once:
-    # here it ends `run` instead, so that the other servers and the engine are waited for first
+    # From here on a SIGTERM ends what runs (start-up included) through the `finally`: nothing is left
+    # behind. uvicorn re-raises a SIGTERM it drained for once it is done, which would otherwise end this
+    # process at once; here it ends `run`, so that the other servers and the engine are waited for first.
     signal.signal(signal.SIGTERM, _raise_terminated)
-    terminated = False
+    engine, async_llm, servers, lost, terminated = None, None, [], [], False
     try:
+        engine = EngineProcess(args.model, engine_kwargs, args.log_stats_interval, num_clients=count)
+        uvicorn_server, async_llm = _start_servers(args, engine, sock, build_server, servers, lost)
         logger.info("%d API server processes share the engine process (pid %d)", count, engine.proc.pid)
         uvicorn_server.run(sockets=[sock])
     except _Terminated:
@@ -77,14 +62,40 @@ def serve_api_servers(args: argparse.Namespace, engine_kwargs: dict, build_serve
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a second SIGTERM: the servers are stopping already
         _stop_servers(servers, args.shutdown_timeout + SERVER_EXIT_GRACE_S)
-        async_llm.shutdown()
-        engine.stop()
+        if async_llm is not None:
+            async_llm.shutdown()
+        if engine is not None:
+            engine.stop()   # (closing every pipe end still here, so that no write of the engine's waits)
         sock.close()
     if lost:
         raise SystemExit(f"nanovllm serve: error: {lost[0]}")
     if terminated:   # end as uvicorn would have: by the signal
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
+
+
+def _start_servers(args: argparse.Namespace, engine: EngineProcess, sock: socket.socket, build_server,
+                   servers: list, lost: list[str]):
+    """This process's server (not yet running) and its AsyncLLM, once the engine is ready; the other
+    servers spawned into `servers`, watched (`lost` says which exited on its own)."""
+    from nanovllm.engine.async_llm import AsyncLLM
+    async_llm = AsyncLLM.from_engine_process(engine.client_ends[0])   # waits for the engine, or raises
+    rows = SharedMetricsRows(args.api_server_count)
+    uvicorn_server = build_server(args, async_llm, (rows, 0))   # a bad setting fails before any spawn
+    ctx = multiprocessing.get_context("spawn")
+    for index in range(1, args.api_server_count):
+        server = ctx.Process(target=run_api_server, name=f"nanovllm-api-server-{index}",
+                             args=(args, sock, engine.client_ends[index], rows, index, _log_level(args), os.getpid()))
+        server.start()
+        servers.append(server)
+    for cmd_conn, out_conn in engine.client_ends[1:]:   # the servers' own now: their exit ends their pipes
+        cmd_conn.close()
+        out_conn.close()
+    _say_where_once_listening(uvicorn_server, sock)
+    _pass_exit_on(uvicorn_server, servers)
+    threading.Thread(target=_watch_servers, args=(uvicorn_server, servers, lost), name="nanovllm-api-server-watch",
+                     daemon=True).start()
+    return uvicorn_server, async_llm
 
 
 class _Terminated(Exception):
@@ -96,16 +107,27 @@ def _raise_terminated(signum, frame) -> None:
 
 
 def run_api_server(args: argparse.Namespace, sock, ends: tuple, rows: SharedMetricsRows, index: int,
-                   log_level: str) -> None:
-    """A spawned server's entry: one more app on the shared socket and engine process."""
+                   log_level: str, parent_pid: int) -> None:
+    """A spawned server's entry: one more app on the shared socket and engine process. It drains and
+    exits when the parent dies (Linux: the parent-death signal), so that no server outlives it."""
     from nanovllm.engine.async_llm import AsyncLLM
     from nanovllm.entrypoints.openai.api_server import build_uvicorn_server
+    _exit_with_parent(parent_pid)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[{index}]: %(message)s")
     async_llm = AsyncLLM.from_engine_process(ends)
     try:
         build_uvicorn_server(args, async_llm, (rows, index)).run(sockets=[sock])
     finally:
         async_llm.shutdown()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when its parent dies (Linux's PR_SET_PDEATHSIG); exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        raise SystemExit(0)
 
 
 def _bind_socket(host: str, port: int) -> socket.socket:

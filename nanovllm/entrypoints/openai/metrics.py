@@ -124,9 +124,13 @@ class ServerMetrics:
     async def track(self, outputs: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Yield `outputs` unchanged, timing them from `arrival` (a `time.monotonic()` value)."""
         timer = RequestTimer(self, arrival)
-        async for output in outputs:
-            timer.observe(output)
-            yield output
+        try:
+            async for output in outputs:
+                timer.observe(output)
+                yield output
+        finally:   # a stream left early (a client gone) counts in the shared rows too
+            if self.shared is not None:
+                self.publish(time.monotonic())
 
     def render(self, engine: dict) -> str:
         """The exposition text; `engine` is `engine_snapshot(...)`."""
@@ -190,10 +194,10 @@ class RequestTimer:
             m.publish(now)
 
 
-def engine_snapshot(async_llm) -> dict:
-    """The engine's state as `AsyncLLM.engine_stats` has it (live in thread mode, as of the last
-    step in process mode)."""
-    stats = async_llm.engine_stats
+def engine_snapshot(async_llm, stats=None) -> dict:
+    """The engine's state: `stats` (an `EngineStats` just read) or as `AsyncLLM.engine_stats` has it
+    (live in thread mode, as of the engine's last message in process mode)."""
+    stats = stats if stats is not None else async_llm.engine_stats
     return {"running": stats.running, "waiting": stats.waiting, "blocks_total": stats.num_blocks,
             "blocks_free": stats.num_free_blocks, "prefix_queries": stats.prefix_query_tokens,
             "prefix_hits": stats.prefix_hit_tokens, "healthy": async_llm.is_healthy}
