@@ -400,10 +400,11 @@ class EngineThread:
 
     def _step(self) -> None:
         try:
-            outputs = step_engine(self.engine, self._throughput, self._live_ids)
+            outputs = step_engine(self.engine, self._throughput)
         except Exception as e:
             self._die(e)
             return
+        self._live_ids.difference_update(output.request_id for output in outputs if output.finished)
         if outputs:
             self._call_in_loop(self._deliver, outputs)
 

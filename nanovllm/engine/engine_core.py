@@ -86,12 +86,11 @@ def decode_output(encoded: tuple, prompt: str | None, prompt_token_ids: list[int
                          finished, num_cached_tokens, prompt_logprobs)
 
 
-def step_engine(engine, throughput: "ThroughputLog", live_ids: set[str]) -> list[RequestOutput]:
-    """One `engine.step()` of a serving loop (the engine thread's or the engine process's): the
-    throughput line told, finished requests dropped from `live_ids`. Raises what the step raises."""
+def step_engine(engine, throughput: "ThroughputLog") -> list[RequestOutput]:
+    """One `engine.step()` of a serving loop (the engine thread's or the engine process's), the
+    throughput line told. Raises what the step raises."""
     outputs = engine.step()
     throughput.record(engine, outputs)
-    live_ids.difference_update(output.request_id for output in outputs if output.finished)
     return outputs
 
 
@@ -176,8 +175,7 @@ class EngineCoreProc:
         self.out_conns = [out_conn for _, out_conn in conns]
         self.connected = set(range(len(conns)))     # the frontends still there
         self.send_locks = [threading.Lock() for _ in conns]   # one writer a pipe at a time
-        self.commands: queue.Queue = queue.Queue()  # (frontend or None, command message)
-        self.live_ids: set[str] = set()
+        self.commands: queue.Queue = queue.Queue()  # (frontend, command message)
         self.owners: dict[str, int] = {}            # live request -> the frontend that added it
         self.dead_error: str | None = None
         self.throughput = ThroughputLog(log_stats_interval)
@@ -200,7 +198,7 @@ class EngineCoreProc:
                     self._step()
                 self.throughput.maybe_log(self.engine)
         finally:
-            self._abort(list(self.live_ids))
+            self._abort(list(self.owners))
             try:
                 self.engine.shutdown()   # tensor-parallel worker processes, if any
             except Exception:
@@ -264,7 +262,6 @@ class EngineCoreProc:
             self.engine.add_request(request_id, prompt, params)
         except Exception as e:   # ValueError for bad input, passed on as it is
             return request_id, _picklable(e), None, None
-        self.live_ids.add(request_id)
         self.owners[request_id] = client
         state = self.engine.output_processor.requests[request_id]
         return request_id, None, state.prompt, state.prompt_token_ids
@@ -277,7 +274,7 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         try:
-            outputs = step_engine(self.engine, self.throughput, self.live_ids)
+            outputs = step_engine(self.engine, self.throughput)
         except Exception as e:
             self._die(e)
             return
@@ -293,16 +290,15 @@ class EngineCoreProc:
             self.send(client, ("outputs", encode_outputs(its_outputs), stats))
 
     def _die(self, error: Exception) -> None:
-        logger.exception("engine step failed; failing %d in-flight request(s)", len(self.live_ids))
+        logger.exception("engine step failed; failing %d in-flight request(s)", len(self.owners))
         self.dead_error = f"the engine failed: {type(error).__name__}: {error}"
-        self._abort(list(self.live_ids))
+        self._abort(list(self.owners))
         stats = engine_stats(self.engine)
         for client in range(len(self.out_conns)):
             self.send(client, ("dead", self.dead_error, stats))
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.live_ids.discard(request_id)
             self.owners.pop(request_id, None)
             try:
                 self.engine.abort(request_id)

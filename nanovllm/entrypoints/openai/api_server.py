@@ -276,13 +276,13 @@ def main(args: argparse.Namespace) -> None:
         if args.chat_template is not None:
             load_chat_template(args.chat_template, None)   # a bad file fails before the slow model load
         kwargs = engine_kwargs(args)
-        multiprocess = args.multiprocess_mode
-        if multiprocess is None:
-            multiprocess = args.api_server_count > 1 or default_multiprocess_mode(kwargs.get("device", "auto"))
         kwargs["compilation_config"] = server_compilation_mode(args.model, kwargs)  # CPU: by its kind
-        if args.api_server_count > 1:
+        if args.api_server_count > 1:   # the engine in a process of its own, always
             from nanovllm.entrypoints.openai.api_server_processes import serve_api_servers
             return serve_api_servers(args, kwargs, build_uvicorn_server)
+        multiprocess = args.multiprocess_mode
+        if multiprocess is None:
+            multiprocess = default_multiprocess_mode(kwargs.get("device", "auto"))
         async_llm = AsyncLLM(args.model, multiprocess_mode=multiprocess,
                              log_stats_interval=args.log_stats_interval, **kwargs)
         build_uvicorn_server(args, async_llm).run()

@@ -85,7 +85,7 @@ def _start_servers(args: argparse.Namespace, engine: EngineProcess, sock: socket
     ctx = multiprocessing.get_context("spawn")
     for index in range(1, args.api_server_count):
         server = ctx.Process(target=run_api_server, name=f"nanovllm-api-server-{index}",
-                             args=(args, sock, engine.client_ends[index], rows, index, _log_level(args), os.getpid()))
+                             args=(args, sock, engine.client_ends[index], rows, index, args.log_level.upper(), os.getpid()))
         server.start()
         servers.append(server)
     for cmd_conn, out_conn in engine.client_ends[1:]:   # the servers' own now: their exit ends their pipes
@@ -138,10 +138,6 @@ def _bind_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
-
-
-def _log_level(args: argparse.Namespace) -> str:
-    return args.log_level.upper()
 
 
 def _say_where_once_listening(uvicorn_server, sock: socket.socket) -> None:

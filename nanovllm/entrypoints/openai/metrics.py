@@ -128,7 +128,8 @@ class ServerMetrics:
             async for output in outputs:
                 timer.observe(output)
                 yield output
-        finally:   # a stream left early (a client gone) counts in the shared rows too
+        finally:   # a stream left early (a client gone) counts in the shared rows too (a handler may
+            # stop reading at the finished output and leave this to the collector: `observe` publishes that)
             if self.shared is not None:
                 self.publish(time.monotonic())
 
