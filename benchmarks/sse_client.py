@@ -36,8 +36,7 @@ class SSEConnection:
     async def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, AsyncIterator[str]]:
         """Send a JSON POST (with extra `headers`); returns the status and the response body's
         lines (read them all before the next request on this connection)."""
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        await self.connect()
         data = json.dumps(body).encode()
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
         self._writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
@@ -45,6 +44,11 @@ class SSEConnection:
                            f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
         status, headers = await self._read_head()
         return status, self._lines(headers)
+
+    async def connect(self) -> None:
+        """Open the connection unless it is open."""
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
 
     async def close(self) -> None:
         if self._writer is not None:
