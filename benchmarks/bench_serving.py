@@ -56,11 +56,14 @@ QUESTIONS = [
 def start_server(args) -> tuple[subprocess.Popen, str]:
     server = ["-m", "nanovllm.entrypoints.openai.api_server"]
     if args.simulate_step_ms is not None:   # the real server and engine on a simulated device (sim_device.py)
-        server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--step-ms", str(args.simulate_step_ms), "--"]
+        server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--step-ms", str(args.simulate_step_ms),
+                  "--prefill-ms", str(args.simulate_prefill_ms), "--"]
+    elif args.sim_timeline:   # the real device, its events timed as the simulated device's are
+        server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--real-device", "--"]
     cmd = [sys.executable, *server, *([args.model] if args.model else []),
            "--port", "0", "--log-stats-interval", "10", *args.server_args.split()]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if args.simulate_step_ms is not None:   # what the simulated device ran, written at the server's exit
+    if args.simulate_step_ms is not None or args.sim_timeline:   # what the device ran, written at the server's exit
         env["NANOVLLM_SIM_STATS"] = sim_stats_path()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port: list[int] = []
@@ -91,7 +94,7 @@ def sim_stats_path() -> str:
 
 def read_sim_stats(args) -> dict | None:
     """The server's simulated device's DeviceStats (sim_device.py), or None when not simulated."""
-    if args.simulate_step_ms is None or args.url:
+    if (args.simulate_step_ms is None and not args.sim_timeline) or args.url:
         return None
     try:
         with open(sim_stats_path()) as f:
@@ -277,7 +280,7 @@ def offline_tokens_per_s(args) -> tuple[float, float, dict | None]:
     if args.simulate_step_ms is not None:
         sys.path.insert(0, os.path.join(REPO, "benchmarks"))
         import sim_device
-        sim_device.install(args.simulate_step_ms)
+        sim_device.install(args.simulate_step_ms, prefill_ms=args.simulate_prefill_ms)
     llm = LLM(args.model, max_num_seqs=args.concurrency, **json.loads(args.offline_engine_kwargs))
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
@@ -321,12 +324,16 @@ def main() -> None:
     parser.add_argument("--simulate-step-ms", type=float, default=None,
                         help="run server and baseline on a simulated device whose decode step takes this long "
                              "(benchmarks/sim_device.py): the host's share of serving, on any machine")
+    parser.add_argument("--simulate-prefill-ms", type=float, default=0.0,
+                        help="with --simulate-step-ms: more for each step that prefills (the GPU's eager prefill "
+                             "step of a few short prompts took ~30 ms of host time in B3)")
     parser.add_argument("--sim-timeline", metavar="PATH", default=None,
-                        help="with --simulate-step-ms: write the simulated device's timed events (launches, "
-                             "requests added, submitted and finished, idle gaps) there as JSON (sim_timeline.py prints it)")
+                        help="write the device's timed events (launches, requests added, submitted and finished, "
+                             "and on the simulated device its idle gaps) there as JSON (sim_timeline.py prints it); "
+                             "without --simulate-step-ms they are timed on the real device")
     args = parser.parse_args()
-    if args.sim_timeline and (args.simulate_step_ms is None or args.url):
-        parser.error("--sim-timeline needs --simulate-step-ms and a server started here (no --url)")
+    if args.sim_timeline and args.url:
+        parser.error("--sim-timeline needs a server started here (no --url)")
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)

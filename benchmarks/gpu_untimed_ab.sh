@@ -71,7 +71,7 @@ variant_args() {  # the arguments of variant $1
 
 for step in $STEPS; do
   case $step in
-    tests) run_step tests 300 python3 -m pytest -q -x tests/test_triton_attn.py tests/test_fused_rope_gpu.py \
+    tests) run_step tests 300 python3 -m pytest -q -x -n 8 tests/test_triton_attn.py tests/test_fused_rope_gpu.py \
              -k "tma or fused_rope or last_key or split_target or query_tiles_outer or scale_in_exp" ;;
     kernels) run_step kernels 560 python3 benchmarks/bench_prefill_attention.py --block-sizes 16,64,128 ;;
     ttft)

@@ -4,7 +4,7 @@ On an H200 a decode step of the Qwen3-0.6B shape takes ~2.5 ms, so what the host
 step and per token (scheduling, detokenizing, the event loop's streams, SSE, HTTP, the GIL
 shared by the engine thread and the event loop) decides how close serving comes to offline
 throughput. This module replaces the engine's model runner with one that keeps a device
-timeline instead of computing: each step takes `step_ms + token_us * tokens` of simulated
+timeline instead of computing: each step takes `step_ms + token_us * tokens` (+ `prefill_ms` when it prefills) of simulated
 device time, the host waits for it with the GIL released (as `torch.cuda.Event.synchronize`
 does), and sampled tokens are random ordinary token ids (so detokenization is real work).
 Multi-step decode rounds queue their steps back to back on the timeline, and a round
@@ -14,6 +14,9 @@ real code. Only for benchmarks: the text is random.
 
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
+
+With --real-device nothing is simulated: the same events are timed on the GPU (a server in thread
+mode), to read a real run's batching next to the simulated one's.
 
 The engine still resolves its device as the CPU, where multi-step rounds are off by default: give
 `--num-scheduler-steps 16 --async-scheduling` (the GPU's defaults) to simulate the GPU's rounds.
@@ -44,9 +47,10 @@ from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 
 DEFAULT_STEP_MS = 2.5       # an H200 decode step of 64 sequences, Qwen3-0.6B (RESULTS, B3 call 3: TPOT)
 DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step takes ~5.7 ms
+DEFAULT_PREFILL_MS = 0.0    # more for a step that prefills (the GPU's eager prefill: ~30 ms of host time)
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
-ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us" for a spawned engine process
+ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us,prefill_ms" for a spawned engine process
 STATS_ENV_VAR = "NANOVLLM_SIM_STATS"  # a path: write the DeviceStats there as JSON at shutdown
 
 
@@ -87,8 +91,8 @@ class DeviceStats:
 class DeviceTimeline:
     """When the simulated device finishes each queued step (one stream, in launch order)."""
 
-    def __init__(self, step_s: float, token_s: float):
-        self.step_s, self.token_s = step_s, token_s
+    def __init__(self, step_s: float, token_s: float, prefill_s: float = 0.0):
+        self.step_s, self.token_s, self.prefill_s = step_s, token_s, prefill_s
         self.free_at = 0.0
         self.lock = threading.Lock()
         self.stats = DeviceStats()
@@ -96,14 +100,14 @@ class DeviceTimeline:
     def queue(self, num_tokens: int, num_rows: int | None = None) -> float:
         """Queue one step of `num_tokens` tokens over `num_rows` sequences (None: one token each,
         a decode step); returns the time it ends."""
-        seconds = self.step_s + self.token_s * num_tokens
+        decode = num_rows is None or num_rows == num_tokens
+        seconds = self.step_s + self.token_s * num_tokens + (0.0 if decode else self.prefill_s)
         with self.lock:
             now = time.perf_counter()
             if self.free_at and now > self.free_at:   # the device ran dry: it waited for the host
                 self.stats.idle.append((round(self.free_at, 4), round(now - self.free_at, 4)))
             self.free_at = max(now, self.free_at) + seconds
-            self.stats.record(num_tokens if num_rows is None else num_rows, seconds,
-                              decode=num_rows is None or num_rows == num_tokens)
+            self.stats.record(num_tokens if num_rows is None else num_rows, seconds, decode)
             return self.free_at
 
     @staticmethod
@@ -154,14 +158,53 @@ class SimulatedModelRunner:
             _write_stats(self.timeline.stats, os.environ[STATS_ENV_VAR])
 
 
-def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US) -> None:
+class RecordingModelRunner:
+    """The real model runner with its launches timed (--real-device): the same events as on the
+    simulated device, on the real one; steps and rows are counted, busy and idle time are not."""
+
+    def __init__(self, runner, stats: DeviceStats):
+        self.runner, self.stats = runner, stats
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def run(self, seqs) -> ModelRunnerOutput:
+        self.stats.launch(len(seqs), 1)
+        decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
+        self.stats.record(len(seqs) if decode else sum(seq.num_scheduled_tokens for seq in seqs), 0.0, decode)
+        return self.runner.run(seqs)
+
+    def launch_decode_round(self, seqs, num_steps: int, after=None):
+        self.stats.launch(len(seqs), num_steps)
+        for _ in range(num_steps):
+            self.stats.record(len(seqs), 0.0, decode=True)
+        return self.runner.launch_decode_round(seqs, num_steps, after)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        if os.environ.get(STATS_ENV_VAR):
+            _write_stats(self.stats, os.environ[STATS_ENV_VAR])
+
+
+def record_real_device() -> None:
+    """Time the engine's events on the real device (no simulation) for every LLMEngine built after
+    this call; install.timeline.stats holds them."""
+    from nanovllm.engine import llm_engine
+    make_model_runner = llm_engine.make_model_runner
+    install.timeline = DeviceTimeline(0.0, 0.0)   # only its stats are used
+    llm_engine.make_model_runner = lambda *args: RecordingModelRunner(make_model_runner(*args), install.timeline.stats)
+    _time_engine_events()
+
+
+def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US,
+            prefill_ms: float = DEFAULT_PREFILL_MS) -> None:
     """Make every LLMEngine built after this call run on the simulated device."""
     from nanovllm.engine import llm_engine
-    timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6)
+    timeline = DeviceTimeline(step_ms / 1e3, token_us / 1e6, prefill_ms / 1e3)
     llm_engine.make_model_runner = lambda config, *args: SimulatedModelRunner(config, timeline)
     install.timeline = timeline
     _time_engine_events()
-    os.environ[ENV_VAR] = f"{step_ms},{token_us}"   # inherited by the engine process
+    os.environ[ENV_VAR] = f"{step_ms},{token_us},{prefill_ms}"   # inherited by the engine process
 
 
 def _time_engine_events() -> None:
@@ -201,10 +244,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="the OpenAI server on a simulated device")
     parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_MS)
     parser.add_argument("--token-us", type=float, default=DEFAULT_TOKEN_US)
+    parser.add_argument("--prefill-ms", type=float, default=DEFAULT_PREFILL_MS)
+    parser.add_argument("--real-device", action="store_true",
+                        help="no simulation: time the same events on the engine's real device (thread mode only)")
     args, server_argv = parser.parse_known_args()
     if server_argv[:1] == ["--"]:
         server_argv = server_argv[1:]
-    install(args.step_ms, args.token_us)
+    if args.real_device:
+        record_real_device()
+    else:
+        install(args.step_ms, args.token_us, args.prefill_ms)
     from nanovllm.entrypoints.openai import api_server
     api_server.main(api_server.add_cli_args(argparse.ArgumentParser(prog="sim_device.py")).parse_args(server_argv))
 

@@ -33,13 +33,14 @@ import copy
 import logging
 import os
 import queue
+import time
 import threading
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from nanovllm.engine.engine_core import (IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog, engine_stats,
-                                         step_engine)
+from nanovllm.engine.engine_core import (ARRIVAL_WINDOW_S, IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog,
+                                         engine_stats, next_command, step_engine)
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -385,11 +386,12 @@ class EngineThread:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
+        burst_ends = time.monotonic() + ARRIVAL_WINDOW_S if block else None
         try:
             while command is not None:
                 _run_logged(command)
                 try:
-                    command = self._commands.get_nowait()
+                    command = next_command(self._commands, burst_ends)
                 except queue.Empty:
                     return True
             return False

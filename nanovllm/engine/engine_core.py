@@ -34,6 +34,13 @@ logger = logging.getLogger("nanovllm")
 
 # An idle engine loop wakes this often to write the throughput line.
 IDLE_POLL_S = 0.5
+# A burst of arrivals at an idle engine joins one prefill step: once a request reaches an idle
+# engine, its loop keeps taking commands while they come less than ARRIVAL_GAP_S apart, for at most
+# ARRIVAL_WINDOW_S. On the GPU a prefill step of a few short prompts costs ~30 ms of host time
+# (eager launches), so a wave of 64 requests split over two prefill steps lost ~30 ms a wave in B3
+# (benchmarks/RESULTS.md, "Twenty-seventh session"); a lone request waits ARRIVAL_GAP_S more.
+ARRIVAL_GAP_S = 0.001
+ARRIVAL_WINDOW_S = 0.02
 STOP = ("stop",)   # the command that ends the loop
 GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
 
@@ -84,6 +91,14 @@ def decode_output(encoded: tuple, prompt: str | None, prompt_token_ids: list[int
     request_id, finished, num_cached_tokens, prompt_logprobs, completions = encoded
     return RequestOutput(request_id, prompt, prompt_token_ids, [CompletionOutput(*c) for c in completions],
                          finished, num_cached_tokens, prompt_logprobs)
+
+
+def next_command(commands: queue.Queue, burst_ends: float | None):
+    """The next queued command: one already there, or, while an idle engine's burst of arrivals
+    lasts (until `burst_ends`, a time.monotonic() value; None: no burst), one within ARRIVAL_GAP_S.
+    Raises queue.Empty."""
+    timeout = 0.0 if burst_ends is None else min(ARRIVAL_GAP_S, burst_ends - time.monotonic())
+    return commands.get(timeout=timeout) if timeout > 0 else commands.get_nowait()
 
 
 def step_engine(engine, throughput: "ThroughputLog") -> list[RequestOutput]:
@@ -213,6 +228,7 @@ class EngineCoreProc:
             client, batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
         except queue.Empty:
             return True
+        burst_ends = time.monotonic() + ARRIVAL_WINDOW_S if block else None
         accepted: dict[int, list] = {}   # frontend -> its accepted adds (and the changed ones: [])
         replies: list[tuple[int, tuple]] = []
         while True:
@@ -223,7 +239,7 @@ class EngineCoreProc:
             if not self.connected:
                 return False
             try:
-                client, batch = self.commands.get_nowait()
+                client, batch = next_command(self.commands, burst_ends)
             except queue.Empty:
                 break
         stats = engine_stats(self.engine)
