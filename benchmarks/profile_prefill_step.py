@@ -1,0 +1,90 @@
+"""Where a short prefill step's time goes: host against device, through the public API.
+
+On the GPU a prefill step of a few short prompts took ~30-40 ms from its launch to the next
+launch in B3 (benchmarks/RESULTS.md, "Twenty-seventh session"), and a one-prompt step ~25 ms:
+the fixed cost every short request pays in TTFT. This times `LLM.generate` of `rows` fresh
+prompts of `--prompt-tokens` tokens with max_tokens=1 (one prefill step, nothing else: the
+sequences finish at the token the prefill samples), then profiles one such call with
+torch.profiler and prints the device's busy time (kernels and copies), the host's CPU ops by
+their own time, and writes the Chrome trace (`trace_gaps.py` reads it) under --out.
+
+    python benchmarks/profile_prefill_step.py [--rows 1,14,64] [--prompt-tokens 32] [--out DIR]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+from random import randint, seed
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_offline import QWEN3_0_6B, SMALL, model_dir  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+VOCAB_IDS = 10_000     # prompt ids drawn below this (both shapes' vocabularies are larger)
+TOP_HOST_OPS = 15
+
+
+def prompts(rows: int, num_tokens: int) -> list[list[int]]:
+    """Fresh prompts: no prefix-cache hit on an earlier call's."""
+    return [[randint(0, VOCAB_IDS - 1) for _ in range(num_tokens)] for _ in range(rows)]
+
+
+def timed_calls(llm: LLM, rows: int, num_tokens: int, repeats: int) -> list[float]:
+    params = SamplingParams(max_tokens=1, temperature=0)
+    times = []
+    for _ in range(repeats):
+        batch = prompts(rows, num_tokens)
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def device_busy_ms(prof) -> float:
+    """Milliseconds of device activity (kernels, copies, memsets) in the profile, overlaps merged."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,14,64", help="prompts in one step, a comma-separated list")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="a two-layer model instead of the Qwen3-0.6B shape")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the Chrome traces go")
+    args = ap.parse_args()
+    seed(0)
+    llm = LLM(model_dir(SMALL if args.small else QWEN3_0_6B), load_format="dummy", skip_tokenizer_init=True)
+    timed_calls(llm, 1, args.prompt_tokens, 1)   # warm-up
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    for rows in map(int, args.rows.split(",")):
+        times = timed_calls(llm, rows, args.prompt_tokens, args.repeats)
+        with profile(activities=activities) as prof:
+            timed_calls(llm, rows, args.prompt_tokens, 1)
+        trace = os.path.join(args.out, f"prefill_step_rows{rows}.json")
+        prof.export_chrome_trace(trace)
+        print(f"rows {rows} x {args.prompt_tokens} tokens: generate median {statistics.median(times) * 1e3:.2f} ms "
+              f"(runs {', '.join(f'{t * 1e3:.1f}' for t in times)}); profiled call: device busy "
+              f"{device_busy_ms(prof) if on_gpu else 0.0:.2f} ms; trace {trace}")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_HOST_OPS))
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
