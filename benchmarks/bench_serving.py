@@ -334,6 +334,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sim_timeline and args.url:
         parser.error("--sim-timeline needs a server started here (no --url)")
+    if args.simulate_prefill_ms and args.simulate_step_ms is None:
+        parser.error("--simulate-prefill-ms needs --simulate-step-ms")
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)
@@ -344,7 +346,9 @@ def main() -> None:
     summary = summarize(results, elapsed, server_cpu, args)
     sim_stats = read_sim_stats(args)
     if sim_stats is not None:   # the warm-up request's steps included
-        summary["sim_device"] = {**sim_stats, "busy_fraction": round(sim_stats["busy_s"] / elapsed, 3)}
+        summary["sim_device"] = sim_stats
+        if args.simulate_step_ms is not None:   # (the real device's busy time is not known)
+            sim_stats["busy_fraction"] = round(sim_stats["busy_s"] / elapsed, 3)
     if args.offline_baseline:
         offline, offline_cpu_ms, offline_sim = offline_tokens_per_s(args)
         if offline_sim is not None:
@@ -368,10 +372,11 @@ def main() -> None:
     for key in ("sim_device", "offline_sim_device"):
         if key in summary:
             stats = summary[key]
+            busy = (f", busy {stats['busy_s']} s" + (f" ({stats['busy_fraction']} of the run)" if "busy_fraction"
+                                                       in stats else "") + f", idle {stats['idle_s']} s"
+                    if args.simulate_step_ms is not None else "")   # (none of it timed on the real device)
             print(f"  {key}: {stats['steps']} steps in {stats['rounds']} rounds, {stats['rows_per_step']} rows a "
-                  f"step, busy {stats['busy_s']} s" + (f" ({stats['busy_fraction']} of the run)"
-                                                       if "busy_fraction" in stats else "")
-                  + f", idle {stats['idle_s']} s; decode steps by rows {stats['decode_steps_by_rows']}")
+                  f"step{busy}; decode steps by rows {stats['decode_steps_by_rows']}")
     if args.sim_timeline:
         with open(args.sim_timeline, "w") as f:
             json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS}

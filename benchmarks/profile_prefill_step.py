@@ -70,10 +70,10 @@ def main() -> None:
     args = ap.parse_args()
     seed(0)
     llm = LLM(model_dir(SMALL if args.small else QWEN3_0_6B), load_format="dummy", skip_tokenizer_init=True)
-    timed_calls(llm, 1, args.prompt_tokens, 1)   # warm-up
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     for rows in map(int, args.rows.split(",")):
+        timed_calls(llm, rows, args.prompt_tokens, 1)   # warm-up: a first shape's costs stay out of the figures
         times = timed_calls(llm, rows, args.prompt_tokens, args.repeats)
         with profile(activities=activities) as prof:
             timed_calls(llm, rows, args.prompt_tokens, 1)

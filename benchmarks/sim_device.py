@@ -4,9 +4,9 @@ On an H200 a decode step of the Qwen3-0.6B shape takes ~2.5 ms, so what the host
 step and per token (scheduling, detokenizing, the event loop's streams, SSE, HTTP, the GIL
 shared by the engine thread and the event loop) decides how close serving comes to offline
 throughput. This module replaces the engine's model runner with one that keeps a device
-timeline instead of computing: each step takes `step_ms + token_us * tokens` (+ `prefill_ms` when it prefills) of simulated
-device time, the host waits for it with the GIL released (as `torch.cuda.Event.synchronize`
-does), and sampled tokens are random ordinary token ids (so detokenization is real work).
+timeline instead of computing: each step takes `step_ms + token_us * tokens` (and `prefill_ms`
+more when it prefills) of simulated device time, the host waits for it with the GIL released (as
+`torch.cuda.Event.synchronize` does), and sampled tokens are random ordinary token ids (so detokenization is real work).
 Multi-step decode rounds queue their steps back to back on the timeline, and a round
 chained by async scheduling starts when the previous one ends, as on the GPU. Everything
 else (LLMEngine, scheduler, block manager, output processing, AsyncLLM, the server) is the
@@ -166,12 +166,13 @@ class RecordingModelRunner:
         self.runner, self.stats = runner, stats
 
     def __getattr__(self, name: str):
+        if name == "runner":   # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.runner, name)
 
     def run(self, seqs) -> ModelRunnerOutput:
         self.stats.launch(len(seqs), 1)
-        decode = all(seq.num_scheduled_tokens == 1 for seq in seqs)
-        self.stats.record(len(seqs) if decode else sum(seq.num_scheduled_tokens for seq in seqs), 0.0, decode)
+        self.stats.record(len(seqs), 0.0, decode=all(seq.num_scheduled_tokens == 1 for seq in seqs))
         return self.runner.run(seqs)
 
     def launch_decode_round(self, seqs, num_steps: int, after=None):
@@ -181,9 +182,11 @@ class RecordingModelRunner:
         return self.runner.launch_decode_round(seqs, num_steps, after)
 
     def shutdown(self) -> None:
-        self.runner.shutdown()
-        if os.environ.get(STATS_ENV_VAR):
-            _write_stats(self.stats, os.environ[STATS_ENV_VAR])
+        try:
+            self.runner.shutdown()
+        finally:
+            if os.environ.get(STATS_ENV_VAR):
+                _write_stats(self.stats, os.environ[STATS_ENV_VAR])
 
 
 def record_real_device() -> None:
@@ -250,12 +253,18 @@ def main() -> None:
     args, server_argv = parser.parse_known_args()
     if server_argv[:1] == ["--"]:
         server_argv = server_argv[1:]
+    from nanovllm.entrypoints.openai import api_server
+    server_args = api_server.add_cli_args(argparse.ArgumentParser(prog="sim_device.py")).parse_args(server_argv)
     if args.real_device:
+        if server_args.multiprocess_mode or server_args.api_server_count != 1:
+            parser.error("--real-device times the engine in the server's process: thread mode only")
+        if {"--step-ms", "--token-us", "--prefill-ms"} & {arg.split("=")[0] for arg in sys.argv}:
+            parser.error("--real-device simulates nothing: --step-ms, --token-us and --prefill-ms do not apply")
+        server_args.multiprocess_mode = False   # (the default of a CPU engine on several threads is a process)
         record_real_device()
     else:
         install(args.step_ms, args.token_us, args.prefill_ms)
-    from nanovllm.entrypoints.openai import api_server
-    api_server.main(api_server.add_cli_args(argparse.ArgumentParser(prog="sim_device.py")).parse_args(server_argv))
+    api_server.main(server_args)
 
 
 if __name__ == "__main__":

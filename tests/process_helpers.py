@@ -56,9 +56,9 @@ class ServerProcess:
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_log, daemon=True)
         self._reader.start()
-        if not self._ready.wait(STARTUP_TIMEOUT_S) or self.port is None:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        started = self._ready.wait(STARTUP_TIMEOUT_S) and self.port is not None and self._is_ready(self.log)
+        if not started or self.proc.poll() is not None:   # (the log ends, and so sets _ready, when it exits)
+            self._kill_group()
             pytest.fail("the server did not start:\n" + self.tail())
         self.url = f"http://127.0.0.1:{self.port}"
         self.children = child_pids(self.proc.pid)
@@ -74,14 +74,23 @@ class ServerProcess:
         self._ready.set()
 
     def stop(self, timeout: float = 60) -> int:
-        """SIGTERM (it drains), then its exit code; killed if it has not exited within `timeout`."""
+        """SIGTERM (it drains), then its exit code; its whole group killed if it has not exited within
+        `timeout`."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self._kill_group()
             raise
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the server and every process of its group (the engine process, other servers)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:   # the group is gone already
+            pass
+        self.proc.wait()
 
     def tail(self) -> str:
         return "".join(self.log[-40:])

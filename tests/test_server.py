@@ -64,7 +64,7 @@ class Server(ServerProcess):
 def server(model_dir):
     """The module's server; test_sigterm_drains_and_exits, the last test to use it, stops it."""
     srv = Server(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
-                        "--log-stats-interval", "1", "--shutdown-timeout", "1")
+                 "--log-stats-interval", "1", "--shutdown-timeout", "1")
     yield srv
     assert srv.stop() in (0, -signal.SIGTERM), "".join(srv.log[-40:])
 

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from typing import AsyncIterator, Callable
 
-from nanovllm.engine.engine_core import (ARRIVAL_WINDOW_S, IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog,
+from nanovllm.engine.engine_core import (IDLE_POLL_S, EngineDeadError, EngineStats, ThroughputLog, burst_deadline,
                                          engine_stats, next_command, step_engine)
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.outputs import RequestOutput
@@ -380,12 +380,13 @@ class EngineThread:
             logger.exception("engine shutdown failed")
 
     def _run_commands(self, block: bool) -> bool:
-        """Run queued commands (waiting a little for one if `block`); False on stop."""
+        """Run queued commands; False on stop. `block` (the engine is idle): wait a little for the
+        first, and take a burst of arrivals whole (`next_command`)."""
         try:
             command = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
-        burst_ends = time.monotonic() + ARRIVAL_WINDOW_S if block else None
+        burst_ends = burst_deadline(idle=block)
         try:
             while command is not None:
                 _run_logged(command)

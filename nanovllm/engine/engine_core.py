@@ -34,9 +34,9 @@ logger = logging.getLogger("nanovllm")
 
 # An idle engine loop wakes this often to write the throughput line.
 IDLE_POLL_S = 0.5
-# A burst of arrivals at an idle engine joins one prefill step: once a request reaches an idle
-# engine, its loop keeps taking commands while they come less than ARRIVAL_GAP_S apart, for at most
-# ARRIVAL_WINDOW_S. On the GPU a prefill step of a few short prompts took ~30-40 ms (it runs eager), so
+# A burst of arrivals at an idle engine joins one prefill step: once a command (a request, most often)
+# reaches an idle engine, its loop keeps taking commands while they come less than ARRIVAL_GAP_S apart,
+# for at most ARRIVAL_WINDOW_S (also when the engine has failed: its refusals then wait as long). On the GPU a prefill step of a few short prompts took ~30-40 ms (it runs eager), so
 # a wave of 64 requests split over two prefill steps lost ~30 ms a wave in B3
 # (benchmarks/RESULTS.md, "Twenty-seventh session"); a lone request waits ARRIVAL_GAP_S more.
 ARRIVAL_GAP_S = 0.001
@@ -93,9 +93,15 @@ def decode_output(encoded: tuple, prompt: str | None, prompt_token_ids: list[int
                          finished, num_cached_tokens, prompt_logprobs)
 
 
-def next_command(commands: queue.Queue, burst_ends: float | None):
+def burst_deadline(idle: bool) -> float | None:
+    """When a burst of arrivals at an idle engine stops being waited for (a time.monotonic() value),
+    taken as its first command arrives; None for a busy engine, which waits for nothing."""
+    return time.monotonic() + ARRIVAL_WINDOW_S if idle else None
+
+
+def next_command(commands: queue.Queue, burst_ends: float | None) -> object:
     """The next queued command: one already there, or, while an idle engine's burst of arrivals
-    lasts (until `burst_ends`, a time.monotonic() value; None: no burst), one within ARRIVAL_GAP_S.
+    lasts (until `burst_ends`, from `burst_deadline`; None: no burst), one within ARRIVAL_GAP_S.
     Raises queue.Empty."""
     timeout = 0.0 if burst_ends is None else min(ARRIVAL_GAP_S, burst_ends - time.monotonic())
     return commands.get(timeout=timeout) if timeout > 0 else commands.get_nowait()
@@ -223,12 +229,13 @@ class EngineCoreProc:
         return self.dead_error is None and self.engine.has_unfinished_requests()
 
     def _run_commands(self, block: bool) -> bool:
-        """Run every queued command message (waiting a little for one if `block`); False on stop."""
+        """Run every queued command message; False on stop. `block` (the engine is idle): wait a little
+        for the first, and take a burst of arrivals whole (`next_command`)."""
         try:
             client, batch = self.commands.get(timeout=IDLE_POLL_S) if block else self.commands.get_nowait()
         except queue.Empty:
             return True
-        burst_ends = time.monotonic() + ARRIVAL_WINDOW_S if block else None
+        burst_ends = burst_deadline(idle=block)
         accepted: dict[int, list] = {}   # frontend -> its accepted adds (and the changed ones: [])
         replies: list[tuple[int, tuple]] = []
         while True:
