@@ -4,9 +4,11 @@ On the GPU a prefill step of a few short prompts took ~30-40 ms from its launch 
 launch in B3 (benchmarks/RESULTS.md, "Twenty-seventh session"), and a one-prompt step ~25 ms:
 the fixed cost every short request pays in TTFT. This times `LLM.generate` of `rows` fresh
 prompts of `--prompt-tokens` tokens with max_tokens=1 (one prefill step, nothing else: the
-sequences finish at the token the prefill samples), then profiles one such call with
-torch.profiler and prints the device's busy time (kernels and copies), the host's CPU ops by
-their own time, and writes the Chrome trace (`trace_gaps.py` reads it) under --out.
+sequences finish at the token the prefill samples) and the model runner's `run` inside it (the
+rest is the engine's own work), then profiles one such call with torch.profiler and prints the
+device's busy time (kernels and copies) and the host's CPU ops by their own time: a `run` much
+longer than the device's busy time is a step bound by its launches. The Chrome traces
+(`trace_gaps.py` reads them) go under --out.
 
     python benchmarks/profile_prefill_step.py [--rows 1,14,64] [--prompt-tokens 32] [--out DIR]
 """
@@ -34,15 +36,30 @@ def prompts(rows: int, num_tokens: int) -> list[list[int]]:
     return [[randint(0, VOCAB_IDS - 1) for _ in range(num_tokens)] for _ in range(rows)]
 
 
-def timed_calls(llm: LLM, rows: int, num_tokens: int, repeats: int) -> list[float]:
+def timed_calls(llm: LLM, rows: int, num_tokens: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each `generate` call, and of the model runner's `run` inside it (the step's forward
+    and sampling until its tokens reach the host; the rest is the engine's own work)."""
     params = SamplingParams(max_tokens=1, temperature=0)
-    times = []
-    for _ in range(repeats):
-        batch = prompts(rows, num_tokens)
+    runner = llm.llm_engine.model_runner
+    run, run_times = runner.run, []
+
+    def timed_run(seqs):
         start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    return times
+        try:
+            return run(seqs)
+        finally:
+            run_times.append(time.perf_counter() - start)
+    runner.run = timed_run
+    times = []
+    try:
+        for _ in range(repeats):
+            batch = prompts(rows, num_tokens)
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+    finally:
+        del runner.run   # the class's method again
+    return times, run_times
 
 
 def device_busy_ms(prof) -> float:
@@ -74,13 +91,14 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     for rows in map(int, args.rows.split(",")):
         timed_calls(llm, rows, args.prompt_tokens, 1)   # warm-up: a first shape's costs stay out of the figures
-        times = timed_calls(llm, rows, args.prompt_tokens, args.repeats)
+        times, run_times = timed_calls(llm, rows, args.prompt_tokens, args.repeats)
         with profile(activities=activities) as prof:
             timed_calls(llm, rows, args.prompt_tokens, 1)
         trace = os.path.join(args.out, f"prefill_step_rows{rows}.json")
         prof.export_chrome_trace(trace)
         print(f"rows {rows} x {args.prompt_tokens} tokens: generate median {statistics.median(times) * 1e3:.2f} ms "
-              f"(runs {', '.join(f'{t * 1e3:.1f}' for t in times)}); profiled call: device busy "
+              f"(runs {', '.join(f'{t * 1e3:.1f}' for t in times)}), of it ModelRunner.run median "
+              f"{statistics.median(run_times) * 1e3:.2f} ms; profiled call: device busy "
               f"{device_busy_ms(prof) if on_gpu else 0.0:.2f} ms; trace {trace}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_HOST_OPS))
     llm.shutdown()
