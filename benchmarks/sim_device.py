@@ -5,9 +5,9 @@ step and per token (scheduling, detokenizing, the event loop's streams, SSE, HTT
 shared by the engine thread and the event loop) decides how close serving comes to offline
 throughput. This module replaces the engine's model runner with one that keeps a device
 timeline instead of computing: each step takes `step_ms + token_us * tokens` (and `prefill_ms`
-more when it prefills) of simulated device time, the host waits for it with the GIL released (as
-`torch.cuda.Event.synchronize` does), and sampled tokens are random ordinary token ids (so detokenization is real work).
-Multi-step decode rounds queue their steps back to back on the timeline, and a round
+more when it prefills) of simulated device time, the host waits for it with the GIL released
+(as `torch.cuda.Event.synchronize` does), and sampled tokens are random ordinary token ids (so
+detokenization is real work). Multi-step decode rounds queue their steps back to back on the timeline, and a round
 chained by async scheduling starts when the previous one ends, as on the GPU. Everything
 else (LLMEngine, scheduler, block manager, output processing, AsyncLLM, the server) is the
 real code. Only for benchmarks: the text is random.
@@ -47,7 +47,7 @@ from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 
 DEFAULT_STEP_MS = 2.5       # an H200 decode step of 64 sequences, Qwen3-0.6B (RESULTS, B3 call 3: TPOT)
 DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step takes ~5.7 ms
-DEFAULT_PREFILL_MS = 0.0    # more for a step that prefills (a GPU prefill step of a few short prompts: ~30-40 ms)
+DEFAULT_PREFILL_MS = 0.0    # more for a step that prefills (on the GPU, a few short prompts' step: ~30-40 ms)
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
 ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us,prefill_ms" for a spawned engine process
