@@ -9,8 +9,8 @@ more when it prefills) of simulated device time, the host waits for it with the 
 (as `torch.cuda.Event.synchronize` does), and sampled tokens are random ordinary token ids (so
 detokenization is real work). Multi-step decode rounds queue their steps back to back on the
 timeline, and a round chained by async scheduling starts when the previous one ends, as on the
-GPU. Everything else (LLMEngine, scheduler, block manager, output processing, AsyncLLM, the server) is the
-real code. Only for benchmarks: the text is random.
+GPU. Everything else (LLMEngine, scheduler, block manager, output processing, AsyncLLM, the
+server) is the real code. Only for benchmarks: the text is random.
 
     python benchmarks/sim_device.py --step-ms 2.5 -- MODEL_DIR --load-format dummy ...
         (the OpenAI server, `api_server`'s flags after `--`)
