@@ -53,6 +53,12 @@ QUESTIONS = [
 ]
 
 
+def times_device_events(args) -> bool:
+    """Whether the started server runs through sim_device.py: on the simulated device, or on the real
+    one with its events timed (--sim-timeline alone)."""
+    return args.simulate_step_ms is not None or args.sim_timeline is not None
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     server = ["-m", "nanovllm.entrypoints.openai.api_server"]
     if args.simulate_step_ms is not None:   # the real server and engine on a simulated device (sim_device.py)
@@ -63,7 +69,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, *server, *([args.model] if args.model else []),
            "--port", "0", "--log-stats-interval", "10", *args.server_args.split()]
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    if args.simulate_step_ms is not None or args.sim_timeline:   # what the device ran, written at the server's exit
+    if times_device_events(args):   # what the device ran, written at the server's exit
         env["NANOVLLM_SIM_STATS"] = sim_stats_path()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     port: list[int] = []
@@ -93,8 +99,8 @@ def sim_stats_path() -> str:
 
 
 def read_sim_stats(args) -> dict | None:
-    """The server's simulated device's DeviceStats (sim_device.py), or None when not simulated."""
-    if (args.simulate_step_ms is None and not args.sim_timeline) or args.url:
+    """The DeviceStats the started server's sim_device.py wrote, or None where it ran none."""
+    if not times_device_events(args) or args.url:
         return None
     try:
         with open(sim_stats_path()) as f:
@@ -372,9 +378,10 @@ def main() -> None:
     for key in ("sim_device", "offline_sim_device"):
         if key in summary:
             stats = summary[key]
-            busy = (f", busy {stats['busy_s']} s" + (f" ({stats['busy_fraction']} of the run)" if "busy_fraction"
-                                                       in stats else "") + f", idle {stats['idle_s']} s"
-                    if args.simulate_step_ms is not None else "")   # (none of it timed on the real device)
+            busy = ""   # (none of it timed on the real device)
+            if args.simulate_step_ms is not None:
+                of_run = f" ({stats['busy_fraction']} of the run)" if "busy_fraction" in stats else ""
+                busy = f", busy {stats['busy_s']} s{of_run}, idle {stats['idle_s']} s"
             print(f"  {key}: {stats['steps']} steps in {stats['rounds']} rounds, {stats['rows_per_step']} rows a "
                   f"step{busy}; decode steps by rows {stats['decode_steps_by_rows']}")
     if args.sim_timeline:

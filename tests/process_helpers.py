@@ -67,8 +67,9 @@ class ServerProcess:
     def _read_log(self) -> None:
         for line in self.proc.stderr:
             self.log.append(line)
-            if self.port is None and READY_LINE.search(line):
-                self.port = int(READY_LINE.search(line).group(1))
+            announced = READY_LINE.search(line) if self.port is None else None
+            if announced:
+                self.port = int(announced.group(1))
             if self.port is not None and self._is_ready(self.log):
                 self._ready.set()
         self._ready.set()
@@ -102,6 +103,6 @@ class ServerProcess:
     def assert_all_gone(self) -> None:
         """The server and every child it had are gone (a test that failed kills the whole group first)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_group()
         for pid in self.children:
             assert_gone(pid)

@@ -181,7 +181,8 @@ def _servers(model_dir: str) -> ServerProcess:
                             "5", "--compilation-config", "0",   # (a CPU server compiles by default: not the point here)
                             is_ready=lambda log: sum(STARTED_LINE in line for line in log) == NUM_SERVERS)
     ready_at = next(i for i, line in enumerate(servers.log) if READY_LINE.search(line))
-    assert any(STARTED_LINE in line for line in servers.log[:ready_at]), "the port was announced before a server listened"
+    assert any(STARTED_LINE in line for line in servers.log[:ready_at]), \
+        "the port was announced before a server listened"
     return servers
 
 

@@ -193,8 +193,9 @@ def test_a_step_fault_fails_the_stream_frees_blocks_and_health(mp_llm):
 def test_server_engine_killed_then_ctrl_c_leaves_no_process(model_dir):
     """The server in process mode: SIGKILL of its engine process mid-stream ends the stream with an
     error event and turns /health to 503; Ctrl-C then stops the server, and nothing is left."""
-    server = ServerProcess(model_dir, "--served-model-name", MODEL_NAME, "--max-model-len", str(SERVING_MAX_POSITIONS),
-                           "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log", "--enable-frontend-multiprocessing",
+    server = ServerProcess(model_dir, "--served-model-name", MODEL_NAME, "--max-model-len",
+                           str(SERVING_MAX_POSITIONS), "--num-kvcache-blocks", "64", "--disable-uvicorn-access-log",
+                           "--enable-frontend-multiprocessing",
                            "--compilation-config", "0")  # (a CPU server compiles by default: not the point here)
     try:
         url = server.url

@@ -66,7 +66,7 @@ def server(model_dir):
     srv = Server(model_dir, "--api-key", API_KEY, "--max-request-body-bytes", str(MAX_BODY_BYTES),
                  "--log-stats-interval", "1", "--shutdown-timeout", "1")
     yield srv
-    assert srv.stop() in (0, -signal.SIGTERM), "".join(srv.log[-40:])
+    assert srv.stop() in (0, -signal.SIGTERM), srv.tail()
 
 
 @pytest.fixture(scope="module")
