@@ -5,7 +5,7 @@
 - bf16: teacher-forced logprobs as close to HF's fp32 ones as HF's own bf16 run is (within
   BF16_ERROR_RATIO), and near HF's bf16 ones on average (ids may part after a near-tie; MoE
   tokens routed otherwise than HF fp32 routes them must be near-ties of the router).
-- CUDA-graph replay gives the same ids as eager; prefix caching, chunked prefill and
+- CUDA-graph replay (decode and short prefill steps) gives the same ids as eager; prefix caching, chunked prefill and
   preemption give the same ids as the plain run.
 """
 import gc
@@ -117,6 +117,35 @@ def test_modes_match_plain_run_on_gpu(tiny_model, prompts, mode):
         ids, (_, preemptions) = _generate(path, prompts, dtype="float32", num_kvcache_blocks=24, max_model_len=256)
         assert preemptions > 0
     assert ids == plain
+
+
+class _CountedGraph:
+    """A captured graph whose replays are counted."""
+
+    def __init__(self, graph):
+        self.graph, self.replays = graph, 0
+
+    def replay(self):
+        self.replays += 1
+        self.graph.replay()
+
+
+def test_short_prefill_steps_replay_their_graphs(tiny_model, prompts):
+    """Prefill steps of up to MAX_PREFILL_GRAPH_TOKENS replay a captured graph (engine/prefill_graph.py)
+    and give the eager engine's ids: whole prompts, then prompts over a cached prefix in chunks."""
+    path, _ = tiny_model("qwen3")
+    shared = [prompts[-1][:64] + p for p in prompts]
+    llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
+              num_kvcache_blocks=KV_BLOCKS, max_num_batched_tokens=256)
+    runner = llm.llm_engine.model_runner.prefill_graph_runner
+    assert runner is not None and runner.sizes[-1] == 256
+    runner.graphs = {size: _CountedGraph(graph) for size, graph in runner.graphs.items()}
+    for batch in (prompts, shared):
+        ids = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        assert ids == _generate(path, batch, dtype="float32", enforce_eager=True)[0]
+    assert sum(g.replays for g in runner.graphs.values()) >= 2
+    engine = llm.llm_engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def _engine_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:

@@ -8,6 +8,8 @@ smallest captured size `>= n` and replays that graph; the later steps of a
 multi-step decode round advance those buffers in place instead (`run_next_step`).
 Padding rows point at a harmless context (one key in block 0) and write no KV (slot -1).
 """
+from collections.abc import Callable
+
 import torch
 
 from nanovllm.utils.context import Context, set_context
@@ -22,6 +24,25 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [s for s in SMALL_BATCH_SIZES if s < top]
     sizes += range(BATCH_SIZE_STEP, top, BATCH_SIZE_STEP)
     return sorted(set(sizes) | {top})
+
+
+@torch.inference_mode()
+def capture_graphs(sizes: list[int], context: Callable[[int], Context], forward: Callable[[int], None],
+                   pool=None) -> tuple[dict[int, torch.cuda.CUDAGraph], object]:
+    """A graph of `forward(size)` (the model over static buffers) under `context(size)` for each
+    size, largest first so that the smaller graphs reuse its memory; all in `pool` (default: the
+    first graph's). Returns the graphs by size and the pool."""
+    graphs = {}
+    for size in sorted(sizes, reverse=True):
+        graph = torch.cuda.CUDAGraph()
+        with set_context(context(size)):
+            forward(size)  # warm-up: lazy initialisations happen outside the capture
+            with torch.cuda.graph(graph, pool):
+                forward(size)
+        pool = graph.pool() if pool is None else pool
+        graphs[size] = graph
+        torch.cuda.synchronize()
+    return graphs, pool
 
 
 class CUDAGraphRunner:
@@ -39,6 +60,7 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the graphs' memory pool, which the prefill graphs share
         self._capture_all(model)
 
     def _context(self, bs: int) -> Context:
@@ -46,18 +68,10 @@ class CUDAGraphRunner:
                        seq_lens_k=self.seq_lens_k[:bs], block_tables=self.block_tables[:bs],
                        max_seqlen_q=1, max_seqlen_k=self.max_model_len, is_decode_only=True)
 
-    @torch.inference_mode()
     def _capture_all(self, model: torch.nn.Module) -> None:
-        pool = None
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            graph = torch.cuda.CUDAGraph()
-            with set_context(self._context(bs)):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # warm-up
-                with torch.cuda.graph(graph, pool):
-                    self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+        def forward(bs: int) -> None:
+            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])
+        self.graphs, self.pool = capture_graphs(self.sizes, self._context, forward)
 
     def can_run(self, context: Context, num_tokens: int) -> bool:
         return context.is_decode_only and num_tokens <= self.max_bs

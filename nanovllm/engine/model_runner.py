@@ -16,6 +16,7 @@ from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_c
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
 from nanovllm.engine.kv_scales import set_kv_scales
+from nanovllm.engine import prefill_graph
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
@@ -49,6 +50,7 @@ class ModelRunner:
         self.config = config
         self.compiled_forward = None
         self.cpu_decode_layers = None
+        self.prefill_graph_runner = None
         self.rank, self.tp_size = rank, config.tensor_parallel_size
         self.model_config = model_config
         self.max_model_len = max_model_len
@@ -72,6 +74,7 @@ class ModelRunner:
             self._compile_kernels()
             self.num_kvcache_blocks = self._allocate_kv_cache()
             self.graph_runner = self._capture_cuda_graphs()
+            self.prefill_graph_runner = self._capture_prefill_graphs()
             self.compiled_forward = self._compile_forward()
             self.cpu_decode_layers = self._cpu_decode_layers()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
@@ -209,6 +212,15 @@ class ModelRunner:
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
 
+    def _capture_prefill_graphs(self) -> prefill_graph.PrefillGraphRunner | None:
+        """Graphs for short prefill steps (engine/prefill_graph.py), in the decode graphs' pool."""
+        if self.graph_runner is None or not prefill_graph.ENABLED:
+            return None
+        return prefill_graph.PrefillGraphRunner(
+            self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+            -(-self.max_model_len // self.block_size), self.max_model_len, self.model_config.hidden_size,
+            self.dtype, self.device, pool=self.graph_runner.pool)
+
     def _compile_forward(self) -> CompiledForward | None:
         """The CPU forward compiled by torch.compile (engine/cpu_compile.py), compiled now on a
         one-token step into block 0 (which no sequence holds yet); None when it runs eagerly."""
@@ -238,11 +250,11 @@ class ModelRunner:
         return cpu_decode_layers.build(self.model, self.dtype, self.kv_cache_dtype)
 
     def shutdown(self) -> None:
-        """Drop the CUDA graphs; later steps run eager. nanovllm/distributed calls this on
+        """Drop the CUDA graphs (decode and prefill); later steps run eager. nanovllm/distributed calls this on
         every rank before it destroys the process group: graphs that captured NCCL
         collectives can make that hang while they are alive (pytorch/pytorch#115388). A compiled
         CPU forward is dropped too."""
-        self.graph_runner = None
+        self.graph_runner = self.prefill_graph_runner = None
         if self.compiled_forward is not None:
             self.compiled_forward.close()
             self.compiled_forward = None
@@ -280,6 +292,9 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(context, input_ids.shape[0]):
             return self.graph_runner.run(input_ids, positions, context)
+        prefill_graphs = self.prefill_graph_runner
+        if prefill_graphs is not None and prefill_graphs.can_run(context, input_ids.shape[0]):
+            return prefill_graphs.run(input_ids, positions, context)
         if self.compiled_forward is not None:
             return self.compiled_forward(input_ids, positions)
         if self.cpu_decode_layers is not None:
