@@ -1,8 +1,9 @@
 """Where a short prefill step's time goes: host against device, through the public API.
 
-On the GPU a prefill step of a few short prompts took ~30-40 ms from its launch to the next
-launch in B3 (benchmarks/RESULTS.md, "Twenty-seventh session"), and a one-prompt step ~25 ms:
-the fixed cost every short request pays in TTFT. This times `LLM.generate` of `rows` fresh
+Run eagerly on an H200, a prefill step of 1-64 prompts of 32 tokens took 24-30 ms in the
+model runner for 1.2-4.6 ms of device work: its kernel launches, the fixed cost every short
+request paid in TTFT until such steps replayed CUDA graphs (engine/prefill_graph.py;
+benchmarks/RESULTS.md, "Twenty-eighth session"; `--eager-prefill` times them without). This times `LLM.generate` of `rows` fresh
 prompts of `--prompt-tokens` tokens with max_tokens=1 (one prefill step, nothing else: the
 sequences finish at the token the prefill samples) and the model runner's `run` inside it (the
 rest is the engine's own work), then profiles one such call with torch.profiler and prints the
@@ -10,7 +11,7 @@ device's busy time (kernels and copies) and the host's CPU ops by their own time
 longer than the device's busy time is a step bound by its launches. The Chrome traces
 (`trace_gaps.py` reads them) go under --out.
 
-    python benchmarks/profile_prefill_step.py [--rows 1,14,64] [--prompt-tokens 32] [--out DIR]
+    python benchmarks/profile_prefill_step.py [--rows 1,14,64] [--prompt-tokens 32] [--eager-prefill] [--out DIR]
 """
 import argparse
 import os
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import QWEN3_0_6B, SMALL, model_dir  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine import prefill_graph  # noqa: E402
 
 VOCAB_IDS = 10_000     # prompt ids drawn below this (both shapes' vocabularies are larger)
 TOP_HOST_OPS = 15
@@ -83,9 +85,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small", action="store_true", help="a two-layer model instead of the Qwen3-0.6B shape")
+    ap.add_argument("--eager-prefill", action="store_true",
+                    help="no CUDA graphs for prefill steps (decode steps keep theirs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the Chrome traces go")
     args = ap.parse_args()
     seed(0)
+    prefill_graph.ENABLED = not args.eager_prefill
     llm = LLM(model_dir(SMALL if args.small else QWEN3_0_6B), load_format="dummy", skip_tokenizer_init=True)
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
