@@ -267,6 +267,8 @@ def main():
               async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
               **({} if args.kvcache_block_size is None else {"kvcache_block_size": args.kvcache_block_size}))
     load_s = time.perf_counter() - t0
+    # what the engine holds once started: weights, KV cache, the CUDA graphs' pool, workspaces
+    reserved_gib = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
     # bench.py's warm-up: one short prompt (fresh ids, no prefix shared with the workload)
     variants = VariantCounter().__enter__()
     warm = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=WARMUP_TOKENS)
@@ -284,7 +286,8 @@ def main():
     per_step = lambda seconds: round(seconds / timer.steps * 1e3, 3)  # noqa: E731
     gpu_s = timer.gpu_s() if timer.cuda else 0.0
     result = {"bench": "B1", "output_tokens": tokens, "seconds": round(elapsed, 3),
-              "tok_per_s": round(tokens / elapsed, 1), "load_s": round(load_s, 2), "steps": timer.steps,
+              "tok_per_s": round(tokens / elapsed, 1), "load_s": round(load_s, 2),
+              "reserved_gib_at_start": round(reserved_gib, 3), "steps": timer.steps,
               "tokenizer": bool(args.tokenizer),
               "num_scheduler_steps": llm.llm_engine.num_scheduler_steps,
               "async_scheduling": llm.llm_engine.async_scheduling,
