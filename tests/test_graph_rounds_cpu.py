@@ -6,6 +6,7 @@ is checked end to end against rounds that advance with torch ops (ModelRunner._a
 import pytest
 import torch
 
+from eager_graph import EagerGraph
 from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 from nanovllm import LLM, SamplingParams
 from tiny_models import random_prompts
@@ -22,30 +23,13 @@ def test_graph_rounds_under_triton_interpreter():
     rerun_under_interpreter(__file__, CHILD_TIMEOUT_S)
 
 
-class _EagerGraph:
-    def __init__(self, runner, model, bs):
-        self.runner, self.model, self.bs = runner, model, bs
-        self.replays = 0
-
-    def replay(self):
-        from nanovllm.utils import context as ctx_mod
-        r, bs = self.runner, self.bs
-        saved, ctx_mod._CONTEXT = ctx_mod._CONTEXT, None
-        try:
-            with ctx_mod.set_context(r._context(bs)):
-                r.hidden[:bs] = self.model(r.input_ids[:bs], r.positions[:bs])
-        finally:
-            ctx_mod._CONTEXT = saved
-        self.replays += 1
-
-
 def _install_fake_graphs(llm):
     from nanovllm.engine.cuda_graph import CUDAGraphRunner
     mr = llm.llm_engine.model_runner
     orig = CUDAGraphRunner._capture_all
 
     def capture(self, model):
-        self.graphs = {bs: _EagerGraph(self, model, bs) for bs in self.sizes}
+        self.graphs = {bs: EagerGraph(self, model, bs) for bs in self.sizes}
     CUDAGraphRunner._capture_all = capture
     try:
         mr.graph_runner = CUDAGraphRunner(mr.model, mr.config.max_num_seqs, -(-mr.max_model_len // mr.block_size),

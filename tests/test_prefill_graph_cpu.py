@@ -7,9 +7,10 @@ GPU's attention kernels (kernels/triton_attn.py) under Triton's interpreter.
 import pytest
 import torch
 
+from eager_graph import EagerGraph
 from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.prefill_graph import MAX_PREFILL_GRAPH_TOKENS, prefill_capture_sizes
+from nanovllm.engine.prefill_graph import MAX_PREFILL_GRAPH_TOKENS, SIZE_STEP, prefill_capture_sizes
 from tiny_models import random_prompts
 
 CHILD_TIMEOUT_S = 600
@@ -25,27 +26,10 @@ def test_prefill_graphs_under_triton_interpreter():
 def test_capture_sizes_cover_every_step_up_to_the_cap():
     sizes = prefill_capture_sizes(8192)
     assert sizes[0] == 16 and sizes[-1] == MAX_PREFILL_GRAPH_TOKENS and sizes == sorted(set(sizes))
-    # above the small sizes, padding stays under one step of 256 tokens
-    assert all(b - a <= 256 for a, b in zip(sizes, sizes[1:]))
+    # above the small sizes, a step pads fewer than SIZE_STEP tokens
+    assert all(b - a <= SIZE_STEP for a, b in zip(sizes, sizes[1:]))
     assert prefill_capture_sizes(100) == [16, 32, 64, 100]
     assert prefill_capture_sizes(8) == [8]
-
-
-class _EagerGraph:
-    def __init__(self, runner, model, size):
-        self.runner, self.model, self.size = runner, model, size
-        self.replays = 0
-
-    def replay(self):
-        from nanovllm.utils import context as ctx_mod
-        r, size = self.runner, self.size
-        saved, ctx_mod._CONTEXT = ctx_mod._CONTEXT, None
-        try:
-            with ctx_mod.set_context(r._context(size)):
-                r.hidden[:size] = self.model(r.input_ids[:size], r.positions[:size])
-        finally:
-            ctx_mod._CONTEXT = saved
-        self.replays += 1
 
 
 def _make(path, graphs: bool, monkeypatch, max_num_seqs=6, **kwargs):
@@ -62,7 +46,7 @@ def _make(path, graphs: bool, monkeypatch, max_num_seqs=6, **kwargs):
     orig = PrefillGraphRunner._capture_all
 
     def capture(self, model):
-        self.graphs = {size: _EagerGraph(self, model, size) for size in self.sizes}
+        self.graphs = {size: EagerGraph(self, model, size) for size in self.sizes}
     PrefillGraphRunner._capture_all = capture
     try:
         mr.prefill_graph_runner = PrefillGraphRunner(

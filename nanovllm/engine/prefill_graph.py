@@ -24,7 +24,7 @@ from nanovllm.utils.context import Context
 
 ENABLED = True                   # module switch, for benchmarks' A/B (set before an engine starts)
 SMALL_SIZES = (16, 32, 64, 128)  # token counts captured below SIZE_STEP
-SIZE_STEP = 256                  # then every multiple of this, so padding stays under half a step
+SIZE_STEP = 256                  # then every multiple of this: a step pads fewer tokens than this
 MAX_PREFILL_GRAPH_TOKENS = 2048  # above this the GPU's work outlasts the launches it saves
 
 
