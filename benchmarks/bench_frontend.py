@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--simulate-step-ms", type=float, default=2.5)
     args = parser.parse_args()
     args.show_server_log = False
+    args.simulate_prefill_ms = 0.0  # start_server's: a prefill's device time adds no CPU to what this reads
     proc, url = start_server(args)
     try:
         asyncio.run(run_requests(url, WARMUP_REQUESTS, args.max_tokens))

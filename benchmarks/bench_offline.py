@@ -235,6 +235,8 @@ def main():
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype (auto, fp8, ...)")
     ap.add_argument("--kvcache-block-size", type=int, default=None, help="the engine's cache page size")
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                    help="the engine's max_prefill_graph_tokens (0: prefill steps eager)")
     ap.add_argument("--attn-constants", metavar="JSON", default="{}",
                     help="kernels/triton_attn.py tile constants to set first, e.g. "
                          "'{\"DECODE_FP8_BLOCK_N\": 64}' (an A/B of a tile against the default)")
@@ -265,7 +267,9 @@ def main():
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
               tensor_parallel_size=args.tensor_parallel_size, num_scheduler_steps=args.num_scheduler_steps,
               async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-              **({} if args.kvcache_block_size is None else {"kvcache_block_size": args.kvcache_block_size}))
+              **({} if args.kvcache_block_size is None else {"kvcache_block_size": args.kvcache_block_size}),
+              **({} if args.max_prefill_graph_tokens is None
+                 else {"max_prefill_graph_tokens": args.max_prefill_graph_tokens}))
     load_s = time.perf_counter() - t0
     # what the engine holds once started: weights, KV cache, the CUDA graphs' pool, workspaces
     reserved_gib = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0
@@ -296,6 +300,7 @@ def main():
               "other_host_ms_per_step": per_step(elapsed - timer.run_s),
               "tensor_parallel_size": args.tensor_parallel_size, "kv_cache_dtype": args.kv_cache_dtype,
               "kvcache_block_size": llm.llm_engine.config.kvcache_block_size,
+              "max_prefill_graph_tokens": llm.llm_engine.config.max_prefill_graph_tokens,
               "attn_constants": json.loads(args.attn_constants),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if torch.cuda.is_available():

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_offline import QWEN3_0_6B, SMALL, model_dir  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine import prefill_graph  # noqa: E402
 
 VOCAB_IDS = 10_000     # prompt ids drawn below this (both shapes' vocabularies are larger)
 TOP_HOST_OPS = 15
@@ -90,8 +89,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the Chrome traces go")
     args = ap.parse_args()
     seed(0)
-    prefill_graph.ENABLED = not args.eager_prefill
-    llm = LLM(model_dir(SMALL if args.small else QWEN3_0_6B), load_format="dummy", skip_tokenizer_init=True)
+    llm = LLM(model_dir(SMALL if args.small else QWEN3_0_6B), load_format="dummy", skip_tokenizer_init=True,
+              **({"max_prefill_graph_tokens": 0} if args.eager_prefill else {}))
     on_gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     for rows in map(int, args.rows.split(",")):

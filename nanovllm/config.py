@@ -27,6 +27,11 @@ DEFAULT_BLOCK_SIZE = 16
 # batch), and a request added between `LLMEngine.step` calls may wait one round more, as the
 # next round is already launched (AsyncLLM holds chaining back while it has requests queued).
 DEFAULT_GPU_SCHEDULER_STEPS = 16
+# Prefill (and mixed) steps of up to this many tokens replay CUDA graphs on a GPU
+# (engine/prefill_graph.py): eagerly, a step of one to 64 short prompts was 24-30 ms of kernel
+# launches for 1.2-4.6 ms of GPU work on an H200, replayed 2.1-7.8 ms (benchmarks/RESULTS.md
+# "Twenty-eighth session"). Larger steps are the GPU's work more than their launches.
+DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # Adaptive rounds (Config.adaptive_rounds), for an engine served online: its slots change hands
 # while it runs (a stream ends, the client sends its next request), and a full-length round makes
 # both ends wait. Two rules, measured on the simulated device (benchmarks/RESULTS.md "B3: rounds
@@ -98,6 +103,10 @@ class Config:
     # 0 eager, 3 the CPU forward compiled by torch.compile (engine/cpu_compile.py). None: the
     # device's default (engine/cpu_compile.py says which). enforce_eager=True means 0.
     compilation_config: int | dict | None = None
+    # GPU: the largest prefill or mixed step, in tokens, replayed from a CUDA graph (one graph per
+    # token count up to it, captured at start-up); 0: such steps run eagerly (decode steps keep
+    # their graphs). enforce_eager=True turns all graphs off.
+    max_prefill_graph_tokens: int = DEFAULT_MAX_PREFILL_GRAPH_TOKENS
 
     def __post_init__(self):
         _check_positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size",
@@ -125,6 +134,9 @@ class Config:
             if self.enforce_eager and self.compilation_config != 0:
                 raise ValueError(f"enforce_eager=True runs eagerly; it contradicts compilation_config mode "
                                  f"{self.compilation_config}")
+        if (not isinstance(self.max_prefill_graph_tokens, int) or isinstance(self.max_prefill_graph_tokens, bool)
+                or self.max_prefill_graph_tokens < 0):
+            raise ValueError(f"max_prefill_graph_tokens must be an int >= 0, got {self.max_prefill_graph_tokens!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

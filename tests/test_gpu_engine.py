@@ -131,8 +131,9 @@ class _CountedGraph:
 
 
 def test_short_prefill_steps_replay_their_graphs(tiny_model, prompts):
-    """Prefill steps of up to MAX_PREFILL_GRAPH_TOKENS replay a captured graph (engine/prefill_graph.py)
-    and give the eager engine's ids: whole prompts, then prompts over a cached prefix in chunks."""
+    """Prefill steps of up to max_prefill_graph_tokens replay a captured graph (engine/prefill_graph.py)
+    and give the eager engine's ids: whole prompts, then prompts over a cached prefix in chunks; the
+    option caps the sizes captured, and 0 leaves prefill steps eager."""
     path, _ = tiny_model("qwen3")
     shared = [prompts[-1][:64] + p for p in prompts]
     llm = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
@@ -146,6 +147,15 @@ def test_short_prefill_steps_replay_their_graphs(tiny_model, prompts):
     assert sum(g.replays for g in runner.graphs.values()) >= 2
     engine = llm.llm_engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    llm.shutdown()
+    capped = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
+                 num_kvcache_blocks=KV_BLOCKS, max_prefill_graph_tokens=100)
+    assert capped.llm_engine.model_runner.prefill_graph_runner.sizes == [16, 32, 64, 100]
+    capped.shutdown()
+    eager_prefill = LLM(path, skip_tokenizer_init=True, device="cuda", dtype="float32", max_num_seqs=MAX_NUM_SEQS,
+                        num_kvcache_blocks=KV_BLOCKS, max_prefill_graph_tokens=0)
+    assert eager_prefill.llm_engine.model_runner.prefill_graph_runner is None
+    assert eager_prefill.llm_engine.model_runner.graph_runner is not None
 
 
 def _engine_logprobs(llm: LLM, token_ids: list[int]) -> torch.Tensor:

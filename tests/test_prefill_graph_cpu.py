@@ -10,7 +10,8 @@ import torch
 from eager_graph import EagerGraph
 from triton_interpreter import HAS_TRITON, RUN_HERE, rerun_under_interpreter
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.prefill_graph import MAX_PREFILL_GRAPH_TOKENS, SIZE_STEP, prefill_capture_sizes
+from nanovllm.config import DEFAULT_MAX_PREFILL_GRAPH_TOKENS, Config
+from nanovllm.engine.prefill_graph import SIZE_STEP, prefill_capture_sizes
 from tiny_models import random_prompts
 
 CHILD_TIMEOUT_S = 600
@@ -24,12 +25,20 @@ def test_prefill_graphs_under_triton_interpreter():
 
 
 def test_capture_sizes_cover_every_step_up_to_the_cap():
-    sizes = prefill_capture_sizes(8192)
-    assert sizes[0] == 16 and sizes[-1] == MAX_PREFILL_GRAPH_TOKENS and sizes == sorted(set(sizes))
+    sizes = prefill_capture_sizes(8192, DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
+    assert sizes[0] == 16 and sizes[-1] == DEFAULT_MAX_PREFILL_GRAPH_TOKENS and sizes == sorted(set(sizes))
     # above the small sizes, a step pads fewer than SIZE_STEP tokens
     assert all(b - a <= SIZE_STEP for a, b in zip(sizes, sizes[1:]))
-    assert prefill_capture_sizes(100) == [16, 32, 64, 100]
-    assert prefill_capture_sizes(8) == [8]
+    assert prefill_capture_sizes(100, DEFAULT_MAX_PREFILL_GRAPH_TOKENS) == [16, 32, 64, 100]
+    assert prefill_capture_sizes(8192, 700) == [16, 32, 64, 128, 256, 512, 700]
+    assert prefill_capture_sizes(8, DEFAULT_MAX_PREFILL_GRAPH_TOKENS) == [8]
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "64"])
+def test_max_prefill_graph_tokens_is_an_int_of_zero_or_more(value):
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        Config("m", max_prefill_graph_tokens=value)
+    assert Config("m", max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
 
 
 def _make(path, graphs: bool, monkeypatch, max_num_seqs=6, **kwargs):
@@ -49,8 +58,9 @@ def _make(path, graphs: bool, monkeypatch, max_num_seqs=6, **kwargs):
         self.graphs = {size: EagerGraph(self, model, size) for size in self.sizes}
     PrefillGraphRunner._capture_all = capture
     try:
+        sizes = prefill_capture_sizes(mr.config.max_num_batched_tokens, mr.config.max_prefill_graph_tokens)
         mr.prefill_graph_runner = PrefillGraphRunner(
-            mr.model, mr.config.max_num_batched_tokens, mr.config.max_num_seqs,
+            mr.model, sizes, mr.config.max_num_seqs,
             -(-mr.max_model_len // mr.block_size), mr.max_model_len, mr.model_config.hidden_size, mr.dtype,
             mr.device)
     finally:
@@ -82,7 +92,7 @@ def test_prefill_graphs_equal_plain_steps(model_path, max_num_batched_tokens, mo
     for batch, params in ((prompts, greedy), (shared, greedy), (prompts, sampled)):
         assert _generate(llm, batch, params) == _generate(ref, batch, params)
     replayed = {size: g.replays for size, g in runner.graphs.items() if g.replays}
-    assert replayed and max(replayed) <= min(max_num_batched_tokens, MAX_PREFILL_GRAPH_TOKENS)
+    assert replayed and max(replayed) <= min(max_num_batched_tokens, DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
     if max_num_batched_tokens == 48:  # full steps of 48 tokens: chunks, beside decodes once some run
         assert 48 in replayed
     else:  # whole prompts, then only what the prefix cache does not hold: steps of several sizes

@@ -214,10 +214,13 @@ class ModelRunner:
 
     def _capture_prefill_graphs(self) -> prefill_graph.PrefillGraphRunner | None:
         """Graphs for short prefill steps (engine/prefill_graph.py), in the decode graphs' pool."""
-        if self.graph_runner is None or not prefill_graph.ENABLED:
+        config = self.config
+        if self.graph_runner is None or config.max_prefill_graph_tokens == 0:
             return None
         return prefill_graph.PrefillGraphRunner(
-            self.model, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+            self.model, prefill_graph.prefill_capture_sizes(config.max_num_batched_tokens,
+                                                            config.max_prefill_graph_tokens),
+            config.max_num_seqs,
             -(-self.max_model_len // self.block_size), self.max_model_len, self.model_config.hidden_size,
             self.dtype, self.device, pool=self.graph_runner.pool)
 

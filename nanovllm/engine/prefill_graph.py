@@ -5,7 +5,7 @@ few short prompts: on an H200 a step of one to 64 prompts of 32 tokens took 24-3
 model runner for 1.2-4.6 ms of device work (benchmarks/RESULTS.md, "Twenty-eighth session").
 Every short request pays that in its time to first token, and a server pays it at every wave
 of arrivals. `PrefillGraphRunner` captures the model's forward pass once for each size in
-`prefill_capture_sizes` over static buffers. A step that is not decode-only, with `n` tokens
+`prefill_capture_sizes` (up to Config.max_prefill_graph_tokens) over static buffers. A step that is not decode-only, with `n` tokens
 from `m` sequences, goes into the graph of the smallest size `T >= n`:
 
 - tokens n..T are padding: position 0, and no KV write (slot -1);
@@ -22,25 +22,25 @@ import torch
 from nanovllm.engine.cuda_graph import capture_graphs
 from nanovllm.utils.context import Context
 
-ENABLED = True                   # module switch, for benchmarks' A/B (set before an engine starts)
 SMALL_SIZES = (16, 32, 64, 128)  # token counts captured below SIZE_STEP
 SIZE_STEP = 256                  # then every multiple of this: a step pads fewer tokens than this
-MAX_PREFILL_GRAPH_TOKENS = 2048  # above this the GPU's work outlasts the launches it saves
 
 
-def prefill_capture_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts captured for an engine whose steps hold at most `max_num_batched_tokens`."""
-    top = min(max_num_batched_tokens, MAX_PREFILL_GRAPH_TOKENS)
+def prefill_capture_sizes(max_num_batched_tokens: int, max_prefill_graph_tokens: int) -> list[int]:
+    """Token counts captured for an engine whose steps hold at most `max_num_batched_tokens`, up
+    to `max_prefill_graph_tokens` (Config's, >= 1)."""
+    top = min(max_num_batched_tokens, max_prefill_graph_tokens)
     sizes = [s for s in SMALL_SIZES if s < top] + list(range(SIZE_STEP, top, SIZE_STEP))
     return sorted(set(sizes) | {top})
 
 
 class PrefillGraphRunner:
-    def __init__(self, model: torch.nn.Module, max_num_batched_tokens: int, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, pool=None):
-        """`pool`: a graph memory pool to capture into (the decode graphs'), default a new one."""
-        self.sizes = prefill_capture_sizes(max_num_batched_tokens)
+        """`sizes`: the token counts to capture (`prefill_capture_sizes`); `pool`: a graph memory
+        pool to capture into (the decode graphs'), default a new one."""
+        self.sizes = sorted(sizes)
         self.max_tokens = self.sizes[-1]
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len

@@ -38,6 +38,8 @@ ENGINE_ARG_HELP = {
                         "step; default: on with multi-step rounds on a GPU",
     "adaptive_rounds": "shorten multi-step rounds where requests arrive or reach max_tokens, so slots "
                        "change hands sooner (serving); needs num_scheduler_steps > 1",
+    "max_prefill_graph_tokens": "GPU: largest prefill or mixed step (tokens) replayed from a CUDA graph; "
+                                "0: those steps run eagerly",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
     "max_n": "largest n (samples per request) accepted",
     "trust_remote_code": "accepted for vLLM compatibility; nothing remote runs",
