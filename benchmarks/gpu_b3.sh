@@ -7,6 +7,8 @@
 #             with the offline baseline, both with --sim-timeline on the real device (sim_device.py
 #             --real-device): each wave's prefill steps and the time from its end to its decode round
 #             (timeline_*.txt, sim_timeline.py's reading)
+#   graphs_ab bench_serving.py four times, alternating CUDA graphs for prefill steps on (the default) and
+#             off (--max-prefill-graph-tokens 0, offline too), each run with its own offline baseline
 #   sim       the same server on the simulated device (the host's share alone, 2.06 ms a step, and a
 #             prefill step's GPU cost modelled with PREFILL_MS, default 30)
 # Needs: TOKENIZER_DIR, a directory with the Qwen3 tokenizer's tokenizer.json and tokenizer_config.json
@@ -49,6 +51,18 @@ for step in $STEPS; do
           --max-tokens 256 "${baseline[@]}" --sim-timeline "$OUT/timeline_$run.json" --server-args "$SERVER_ARGS" \
           2>&1 | tee "$OUT/b3_$run.log"
         python3 benchmarks/sim_timeline.py "$OUT/timeline_$run.json" > "$OUT/timeline_$run.txt"
+      done ;;
+    graphs_ab)
+      for run in on off on off; do
+        extra="" offline=$OFFLINE
+        if [ "$run" = off ]; then
+          extra="--max-prefill-graph-tokens 0"
+          offline='{"load_format":"dummy","max_model_len":4096,"max_prefill_graph_tokens":0}'
+        fi
+        echo "=== prefill graphs $run"
+        timeout 200 python3 benchmarks/bench_serving.py --model "$GPU_MODEL" --concurrency 64 --num-prompts 256 \
+          --max-tokens 256 --offline-baseline --offline-engine-kwargs "$offline" \
+          --server-args "$SERVER_ARGS $extra" 2>&1 | tee -a "$OUT/graphs_ab.log"
       done ;;
     sim)
       timeout 120 python3 benchmarks/bench_serving.py --model "$SIM_MODEL" --concurrency 64 --num-prompts 256 \
