@@ -11,12 +11,11 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine import cpu_decode_layers
+from nanovllm.engine import cpu_decode_layers, prefill_graph
 from nanovllm.engine.cpu_compile import COMPILE_MODE, CompiledForward, resolve_compilation_mode
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.decode_round import DecodeRound
 from nanovllm.engine.kv_scales import set_kv_scales
-from nanovllm.engine import prefill_graph
 from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
@@ -217,12 +216,10 @@ class ModelRunner:
         config = self.config
         if self.graph_runner is None or config.max_prefill_graph_tokens == 0:
             return None
+        sizes = prefill_graph.prefill_capture_sizes(config.max_num_batched_tokens, config.max_prefill_graph_tokens)
         return prefill_graph.PrefillGraphRunner(
-            self.model, prefill_graph.prefill_capture_sizes(config.max_num_batched_tokens,
-                                                            config.max_prefill_graph_tokens),
-            config.max_num_seqs,
-            -(-self.max_model_len // self.block_size), self.max_model_len, self.model_config.hidden_size,
-            self.dtype, self.device, pool=self.graph_runner.pool)
+            self.model, sizes, config.max_num_seqs, -(-self.max_model_len // self.block_size), self.max_model_len,
+            self.model_config.hidden_size, self.dtype, self.device, pool=self.graph_runner.pool)
 
     def _compile_forward(self) -> CompiledForward | None:
         """The CPU forward compiled by torch.compile (engine/cpu_compile.py), compiled now on a
@@ -253,8 +250,8 @@ class ModelRunner:
         return cpu_decode_layers.build(self.model, self.dtype, self.kv_cache_dtype)
 
     def shutdown(self) -> None:
-        """Drop the CUDA graphs (decode and prefill); later steps run eager. nanovllm/distributed calls this on
-        every rank before it destroys the process group: graphs that captured NCCL
+        """Drop the CUDA graphs (decode and prefill); later steps run eager. nanovllm/distributed
+        calls this on every rank before it destroys the process group: graphs that captured NCCL
         collectives can make that hang while they are alive (pytorch/pytorch#115388). A compiled
         CPU forward is dropped too."""
         self.graph_runner = self.prefill_graph_runner = None

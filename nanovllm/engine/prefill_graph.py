@@ -5,13 +5,15 @@ few short prompts: on an H200 a step of one to 64 prompts of 32 tokens took 24-3
 model runner for 1.2-4.6 ms of device work (benchmarks/RESULTS.md, "Twenty-eighth session").
 Every short request pays that in its time to first token, and a server pays it at every wave
 of arrivals. `PrefillGraphRunner` captures the model's forward pass once for each size in
-`prefill_capture_sizes` (up to Config.max_prefill_graph_tokens) over static buffers. A step that is not decode-only, with `n` tokens
-from `m` sequences, goes into the graph of the smallest size `T >= n`:
+`prefill_capture_sizes` (up to Config.max_prefill_graph_tokens) over static buffers. A step
+that is not decode-only, with `n` tokens from `m` sequences, goes into the graph of the
+smallest size `T >= n`:
 
 - tokens n..T are padding: position 0, and no KV write (slot -1);
-- the graph's batch has `min(T, max_num_seqs)` sequence rows (a step of T tokens has at most
-  that many sequences); rows m.. are padding with no queries (their query run starts and
-  ends at n), so the attention kernel's programs for them return at once;
+- the graph's batch has `min(T, max_num_seqs)` sequence rows (a scheduled step of T tokens has
+  at most that many sequences; a step of more, as the warm-up runs, goes eager); rows m.. are
+  padding with no queries (their query run starts and ends at n), so the attention kernel's
+  programs for them return at once;
 - the attention kernel's grid is sized for the bound `max_seqlen_q = T` and a context of up to
   max_model_len (its split-KV choice is baked at capture, and any split count is correct).
 
