@@ -47,7 +47,7 @@ from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 
 DEFAULT_STEP_MS = 2.5       # an H200 decode step of 64 sequences, Qwen3-0.6B (RESULTS, B3 call 3: TPOT)
 DEFAULT_TOKEN_US = 2.0      # per scheduled token: a 1,600-token prefill step takes ~5.7 ms
-DEFAULT_PREFILL_MS = 0.0    # more for a step that prefills (on the GPU, a few short prompts' step: ~30-40 ms)
+DEFAULT_PREFILL_MS = 0.0    # more for a step that prefills (a GPU step of 64 short prompts: ~10 ms, 30-40 eager)
 DEFAULT_NUM_BLOCKS = 8192
 SAMPLED_ID_RANGE = (1000, 100000)  # ordinary BPE tokens of the Qwen3 / Llama vocabularies
 ENV_VAR = "NANOVLLM_SIM_DEVICE"     # "step_ms,token_us,prefill_ms" for a spawned engine process

@@ -37,9 +37,10 @@ IDLE_POLL_S = 0.5
 # A burst of arrivals at an idle engine joins one prefill step: once a command (a request, most often)
 # reaches an idle engine, its loop keeps taking commands while they come less than ARRIVAL_GAP_S apart,
 # for at most ARRIVAL_WINDOW_S (also when the engine has failed: its refusals then wait as long). On the
-# GPU a prefill step of a few short prompts took ~30-40 ms (it runs eager), so a wave of 64 requests
-# split over two prefill steps lost ~30 ms a wave in B3 (benchmarks/RESULTS.md, "Twenty-seventh
-# session"); a lone request waits ARRIVAL_GAP_S more.
+# GPU, when a prefill step of a few short prompts took ~30-40 ms (eager), a wave of 64 requests split
+# over two prefill steps lost ~30 ms a wave in B3 (benchmarks/RESULTS.md, "Twenty-seventh session");
+# with the window every wave took one step ("Twenty-eighth session", where such steps became CUDA
+# graphs of ~10 ms). A lone request waits ARRIVAL_GAP_S more.
 ARRIVAL_GAP_S = 0.001
 ARRIVAL_WINDOW_S = 0.02
 STOP = ("stop",)   # the command that ends the loop
