@@ -5,6 +5,7 @@ Everything a forward pass needs is built in `prepare_*` and published through
 `utils/context.py` in `run`, inside one `set_context` block.
 """
 import gc
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from nanovllm.engine.model_source import ModelSource
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput, SamplingMetadata, compute_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import StagingBuffer, build_step_inputs
-from nanovllm.engine.warmup import compile_progress, warm_up_kernels
+from nanovllm.engine.warmup import compile_progress, log_startup_phase, warm_up_kernels
 from nanovllm.kernels import cpu_small_ops, get_attention_backend, kv_quant
 from nanovllm.kernels.cpu_linear import use_column_major_weights
 from nanovllm.layers.attention import Attention
@@ -70,10 +71,18 @@ class ModelRunner:
         self.staging = StagingBuffer(self.device) if self.device.type == "cuda" else None
         self.sampler = Sampler()
         with compile_progress(rank):  # sizing, graph capture and warm-up compile every Triton kernel
+            start = time.perf_counter()
             self._compile_kernels()
             self.num_kvcache_blocks = self._allocate_kv_cache()
+            log_startup_phase(rank, f"KV cache of {self.num_kvcache_blocks} blocks sized", start)
+            start = time.perf_counter()
             self.graph_runner = self._capture_cuda_graphs()
+            if self.graph_runner is not None:
+                log_startup_phase(rank, f"{len(self.graph_runner.sizes)} decode graphs captured", start)
+            start = time.perf_counter()
             self.prefill_graph_runner = self._capture_prefill_graphs()
+            if self.prefill_graph_runner is not None:
+                log_startup_phase(rank, f"{len(self.prefill_graph_runner.sizes)} prefill graphs captured", start)
             self.compiled_forward = self._compile_forward()
             self.cpu_decode_layers = self._cpu_decode_layers()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic

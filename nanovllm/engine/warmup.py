@@ -304,6 +304,13 @@ def compile_progress(rank: int):
         yield counter
 
 
+def log_startup_phase(rank: int, what: str, start: float) -> None:
+    """A line on stderr (rank 0) saying that one phase of start-up, begun at `start`
+    (time.perf_counter()), is done and how long it took."""
+    if rank == 0:
+        _stderr(f"start-up: {what} in {time.perf_counter() - start:.1f} s")
+
+
 def warm_up_kernels(runner: ModelRunner, log: Callable[[str], None] | None = None) -> int:
     """Run every warm-up step on `runner`; returns the kernel variants met (0 where not counted).
     `log`: the steps that met new variants, and a summary (default: stderr on rank 0)."""
