@@ -7,7 +7,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.cuda_graph import capture_sizes
 from nanovllm.engine.warmup import (GRAMMAR_PROFILES, MULTI_STEP_STEPS, SAMPLING_PROFILES, VariantCounter,
-                                    compile_progress, warm_up_kernels, warmup_steps)
+                                    compile_progress, log_startup_phase, warm_up_kernels, warmup_steps)
 from tiny_models import random_prompts
 
 MAX_MODEL_LEN = 256
@@ -151,3 +151,19 @@ def test_compile_progress_names_each_new_variant(capsys):
     err = capsys.readouterr().err.splitlines()
     assert counter.names == ["_some_kernel[sig]"]
     assert len(err) == 1 and err[0].startswith("nanovllm: compiling kernels: 1 so far") and "_some_kernel" in err[0]
+
+
+def test_start_up_says_how_many_cache_blocks_it_sized(model_path, capsys):
+    capsys.readouterr()
+    engine = LLM(model_path, **ENGINE).llm_engine
+    lines = [line for line in capsys.readouterr().err.splitlines() if "start-up:" in line]
+    assert len(lines) == 1  # the CPU has no graphs to capture
+    assert lines[0].startswith(f"nanovllm: start-up: KV cache of {engine.block_manager.num_blocks} blocks sized in ")
+    assert lines[0].endswith(" s")
+
+
+def test_start_up_phases_are_told_by_rank_zero_only(capsys):
+    log_startup_phase(1, "decode graphs captured", 0.0)
+    assert capsys.readouterr().err == ""
+    log_startup_phase(0, "decode graphs captured", 0.0)
+    assert capsys.readouterr().err.startswith("nanovllm: start-up: decode graphs captured in ")
