@@ -14,6 +14,7 @@ Marked `ray` (pyproject): `pytest -m "not ray"` leaves them out. Skipped without
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import threading
@@ -36,10 +37,23 @@ NUM_REPLICAS = 2
 CPUS_PER_REPLICA = 0.5     # two replicas on the 2-CPU cluster, with room left for Ray Data's own tasks
 REPLICA_BACK_S = 120
 KILLED_TOKENS = 200
+# The request a replica is killed in: its samples run max_num_seqs at a time, so it outlasts many metrics
+# pushes (PUSH_INTERVAL_S) on any machine. One 200-token sample took ~0.26 s on an idle 2-core VM, less
+# than a push interval, and the kill then missed it or came after its answer.
+KILLED_SAMPLES = 64
 # the Ray Data job: 20 completions, 3 chats and 2 bad lines, 5 of them already answered, so 20 to do
-# in 7 batches of 3 (TASKS_PER_REPLICA batches a replica); the kill lands after the first is written
-JOB_COMPLETIONS, JOB_TOKENS = 20, 24
+# in 7 batches of 3 (TASKS_PER_REPLICA batches a replica); the kill lands after the first is written.
+# Each completion is long enough that the rest of the job is still running then: at 24 tokens an idle
+# 2-core VM wrote every line before the test could kill a replica.
+JOB_COMPLETIONS, JOB_TOKENS = 20, 200
 RUNNING = "nanovllm:num_requests_running"   # the gauge's sample line in a replica's /metrics text
+
+
+def running_sequences(metrics_text: str) -> float:
+    """The running-batch gauge's value in a replica's /metrics text."""
+    match = re.search(rf"^{re.escape(RUNNING)} (\S+)$", metrics_text, re.MULTILINE)
+    assert match, "no running gauge in the replica's metrics"
+    return float(match[1])
 
 
 @pytest.fixture(scope="module")
@@ -244,13 +258,14 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served):
     # the board may still hold a push from while an earlier test's request ran: wait for pushes with
     # none running, so that the one replica found running a request below runs the long one
     deadline = time.monotonic() + 60
-    while any(f"{RUNNING} 0\n" not in r["text"] for r in ray.get(board_actor.live.remote()).values()):
+    while any(running_sequences(r["text"]) for r in ray.get(board_actor.live.remote()).values()):
         assert time.monotonic() < deadline, "the replicas never reported an empty batch"
         time.sleep(0.05)
     result = {}
 
     def long_request():
-        body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": KILLED_TOKENS, "ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": "a long answer", "max_tokens": KILLED_TOKENS, "ignore_eos": True,
+                "n": KILLED_SAMPLES}
         result["response"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     worker = threading.Thread(target=long_request)
     worker.start()
@@ -258,7 +273,7 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(served):
     deadline = time.monotonic() + 60
     while victim is None and time.monotonic() < deadline:
         for replica_id, r in ray.get(board_actor.live.remote()).items():
-            if f"{RUNNING} 1\n" in r["text"]:
+            if running_sequences(r["text"]) and worker.is_alive():
                 victim = (replica_id, r["pid"])
         time.sleep(0.05)
     assert victim is not None, "the long request never ran"
