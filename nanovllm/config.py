@@ -134,9 +134,7 @@ class Config:
             if self.enforce_eager and self.compilation_config != 0:
                 raise ValueError(f"enforce_eager=True runs eagerly; it contradicts compilation_config mode "
                                  f"{self.compilation_config}")
-        if (not isinstance(self.max_prefill_graph_tokens, int) or isinstance(self.max_prefill_graph_tokens, bool)
-                or self.max_prefill_graph_tokens < 0):
-            raise ValueError(f"max_prefill_graph_tokens must be an int >= 0, got {self.max_prefill_graph_tokens!r}")
+        _check_int_at_least(self, 0, "max_prefill_graph_tokens")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -150,10 +148,14 @@ class Config:
 
 
 def _check_positive(cfg: Config, *names: str) -> None:
+    _check_int_at_least(cfg, 1, *names)
+
+
+def _check_int_at_least(cfg: Config, minimum: int, *names: str) -> None:
     for name in names:
         value = getattr(cfg, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -32,7 +32,7 @@ def _install_fake_graphs(llm):
         self.graphs = {bs: EagerGraph(self, model, bs) for bs in self.sizes}
     CUDAGraphRunner._capture_all = capture
     try:
-        mr.graph_runner = CUDAGraphRunner(mr.model, mr.config.max_num_seqs, -(-mr.max_model_len // mr.block_size),
+        mr.graph_runner = CUDAGraphRunner(mr.model, mr.config.max_num_seqs, mr._max_blocks_per_seq(),
                                           mr.max_model_len, mr.model_config.hidden_size, mr.dtype, mr.device)
     finally:
         CUDAGraphRunner._capture_all = orig

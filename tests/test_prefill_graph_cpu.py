@@ -61,7 +61,7 @@ def _make(path, graphs: bool, monkeypatch, max_num_seqs=6, **kwargs):
         sizes = prefill_capture_sizes(mr.config.max_num_batched_tokens, mr.config.max_prefill_graph_tokens)
         mr.prefill_graph_runner = PrefillGraphRunner(
             mr.model, sizes, mr.config.max_num_seqs,
-            -(-mr.max_model_len // mr.block_size), mr.max_model_len, mr.model_config.hidden_size, mr.dtype,
+            mr._max_blocks_per_seq(), mr.max_model_len, mr.model_config.hidden_size, mr.dtype,
             mr.device)
     finally:
         PrefillGraphRunner._capture_all = orig

@@ -195,13 +195,17 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = min_over_ranks(self._num_blocks_to_allocate(), self.tp_size, self.device)
-        needed = -(-self.max_model_len // self.block_size)
+        needed = self._max_blocks_per_seq()
         if num_blocks < needed:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
                              f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks); "
                              "give it more memory or lower max_model_len")
         self._attach_kv_cache(num_blocks)
         return num_blocks
+
+    def _max_blocks_per_seq(self) -> int:
+        """Cache blocks that one sequence of max_model_len tokens holds."""
+        return -(-self.max_model_len // self.block_size)
 
     def _attach_kv_cache(self, num_blocks: int) -> None:
         # a backend may lay its cache out its own way (triton_attn: V key-minor for fp8)
@@ -217,8 +221,8 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
-        return CUDAGraphRunner(self.model, self.config.max_num_seqs, -(-self.max_model_len // self.block_size),
-                               self.max_model_len, self.model_config.hidden_size, self.dtype, self.device)
+        return CUDAGraphRunner(self.model, self.config.max_num_seqs, self._max_blocks_per_seq(), self.max_model_len,
+                               self.model_config.hidden_size, self.dtype, self.device)
 
     def _capture_prefill_graphs(self) -> prefill_graph.PrefillGraphRunner | None:
         """Graphs for short prefill steps (engine/prefill_graph.py), in the decode graphs' pool."""
@@ -227,7 +231,7 @@ class ModelRunner:
             return None
         sizes = prefill_graph.prefill_capture_sizes(config.max_num_batched_tokens, config.max_prefill_graph_tokens)
         return prefill_graph.PrefillGraphRunner(
-            self.model, sizes, config.max_num_seqs, -(-self.max_model_len // self.block_size), self.max_model_len,
+            self.model, sizes, config.max_num_seqs, self._max_blocks_per_seq(), self.max_model_len,
             self.model_config.hidden_size, self.dtype, self.device, pool=self.graph_runner.pool)
 
     def _compile_forward(self) -> CompiledForward | None:
