@@ -3,12 +3,13 @@
 Run eagerly on an H200, a prefill step of 1-64 prompts of 32 tokens took 24-30 ms in the
 model runner for 1.2-4.6 ms of device work: its kernel launches, the fixed cost every short
 request paid in TTFT until such steps replayed CUDA graphs (engine/prefill_graph.py;
-benchmarks/RESULTS.md, "Twenty-eighth session"; `--eager-prefill` times them without). This times `LLM.generate` of `rows` fresh
-prompts of `--prompt-tokens` tokens with max_tokens=1 (one prefill step, nothing else: the
-sequences finish at the token the prefill samples) and the model runner's `run` inside it (the
-rest is the engine's own work), then profiles one such call with torch.profiler and prints the
-device's busy time (kernels and copies) and the host's CPU ops by their own time: a `run` much
-longer than the device's busy time is a step bound by its launches. The Chrome traces
+benchmarks/RESULTS.md, "Twenty-eighth session"; `--eager-prefill` times them without).
+This times `LLM.generate` of `rows` fresh prompts of `--prompt-tokens` tokens with
+max_tokens=1 (one prefill step, nothing else: the sequences finish at the token the prefill
+samples) and the model runner's `run` inside it (the rest is the engine's own work), then
+profiles one such call with torch.profiler and prints the device's busy time (kernels and
+copies) and the host's CPU ops by their own time: a `run` much longer than the device's busy
+time is a step bound by its launches. The Chrome traces
 (`trace_gaps.py` reads them) go under --out.
 
     python benchmarks/profile_prefill_step.py [--rows 1,14,64] [--prompt-tokens 32] [--eager-prefill] [--out DIR]
