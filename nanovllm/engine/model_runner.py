@@ -75,14 +75,8 @@ class ModelRunner:
             self._compile_kernels()
             self.num_kvcache_blocks = self._allocate_kv_cache()
             log_startup_phase(rank, f"KV cache of {self.num_kvcache_blocks} blocks sized", start)
-            start = time.perf_counter()
             self.graph_runner = self._capture_cuda_graphs()
-            if self.graph_runner is not None:
-                log_startup_phase(rank, f"{len(self.graph_runner.sizes)} decode graphs captured", start)
-            start = time.perf_counter()
             self.prefill_graph_runner = self._capture_prefill_graphs()
-            if self.prefill_graph_runner is not None:
-                log_startup_phase(rank, f"{len(self.prefill_graph_runner.sizes)} prefill graphs captured", start)
             self.compiled_forward = self._compile_forward()
             self.cpu_decode_layers = self._cpu_decode_layers()
             if self.device.type == "cuda":  # every Triton kernel variant now, none mid-traffic
@@ -221,8 +215,11 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return None
-        return CUDAGraphRunner(self.model, self.config.max_num_seqs, self._max_blocks_per_seq(), self.max_model_len,
-                               self.model_config.hidden_size, self.dtype, self.device)
+        start = time.perf_counter()
+        runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, self._max_blocks_per_seq(), self.max_model_len,
+                                 self.model_config.hidden_size, self.dtype, self.device)
+        log_startup_phase(self.rank, f"{len(runner.sizes)} decode graphs captured", start)
+        return runner
 
     def _capture_prefill_graphs(self) -> prefill_graph.PrefillGraphRunner | None:
         """Graphs for short prefill steps (engine/prefill_graph.py), in the decode graphs' pool."""
@@ -230,9 +227,12 @@ class ModelRunner:
         if self.graph_runner is None or config.max_prefill_graph_tokens == 0:
             return None
         sizes = prefill_graph.prefill_capture_sizes(config.max_num_batched_tokens, config.max_prefill_graph_tokens)
-        return prefill_graph.PrefillGraphRunner(
+        start = time.perf_counter()
+        runner = prefill_graph.PrefillGraphRunner(
             self.model, sizes, config.max_num_seqs, self._max_blocks_per_seq(), self.max_model_len,
             self.model_config.hidden_size, self.dtype, self.device, pool=self.graph_runner.pool)
+        log_startup_phase(self.rank, f"{len(runner.sizes)} prefill graphs captured", start)
+        return runner
 
     def _compile_forward(self) -> CompiledForward | None:
         """The CPU forward compiled by torch.compile (engine/cpu_compile.py), compiled now on a
