@@ -91,7 +91,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
-TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "idle")  # sim_device's timed events
+TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "delivers", "stream_ends", "idle")  # sim_device's events
 
 
 def sim_stats_path() -> str:

@@ -67,6 +67,8 @@ class DeviceStats:
     arrivals: list[float] = field(default_factory=list)  # when each request was added to the engine
     submits: list[float] = field(default_factory=list)   # when the event loop queued each command
     finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests) a step finished
+    delivers: list[tuple[float, int]] = field(default_factory=list)  # (time, finished) the event loop took outputs
+    stream_ends: list[float] = field(default_factory=list)  # when the event loop sent a stream's last bytes
     idle: list[tuple[float, float]] = field(default_factory=list)  # (from, seconds) the device waited
 
     def launch(self, num_rows: int, num_steps: int) -> None:
@@ -85,7 +87,8 @@ class DeviceStats:
                 "busy_s": round(self.busy_s, 3), "idle_s": round(sum(gap for _, gap in self.idle), 3),
                 "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
                 "launches": self.launches, "arrivals": self.arrivals, "submits": self.submits,
-                "finishes": self.finishes, "idle": self.idle}
+                "finishes": self.finishes, "delivers": self.delivers, "stream_ends": self.stream_ends,
+                "idle": self.idle}
 
 
 class DeviceTimeline:
@@ -212,12 +215,15 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
 
 def _time_engine_events() -> None:
     """Wrap (once) the methods whose calls the stats time: requests added, steps that finished
-    requests, commands the event loop queued in thread mode."""
+    requests, commands the event loop queued in thread mode, finished outputs it took from the
+    engine, and streams it ended."""
     from nanovllm.engine import async_llm, llm_engine
+    from nanovllm.entrypoints.openai import asgi_routes
     if getattr(llm_engine.LLMEngine.add_request, "timed", False):
         return
     add_request, step = llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step
-    submit = async_llm.EngineThread._submit
+    submit, deliver = async_llm.EngineThread._submit, async_llm.AsyncLLM._deliver
+    stream_events = asgi_routes.stream_events
 
     def timed_add_request(engine, *args, **kwargs):
         install.timeline.stats.arrivals.append(round(time.perf_counter(), 4))
@@ -233,9 +239,23 @@ def _time_engine_events() -> None:
     def timed_submit(core, command):
         install.timeline.stats.submits.append(round(time.perf_counter(), 4))
         return submit(core, command)
+
+    def timed_deliver(llm, outputs):
+        finished = sum(out.finished for out in outputs)
+        if finished:
+            install.timeline.stats.delivers.append((round(time.perf_counter(), 4), finished))
+        return deliver(llm, outputs)
+
+    async def timed_stream_events(send, stream):
+        try:
+            await stream_events(send, stream)
+        finally:
+            install.timeline.stats.stream_ends.append(round(time.perf_counter(), 4))
     timed_add_request.timed = True
     llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step = timed_add_request, timed_step
     async_llm.EngineThread._submit = timed_submit
+    async_llm.AsyncLLM._deliver = timed_deliver
+    asgi_routes.stream_events = timed_stream_events
 
 
 def _write_stats(stats: DeviceStats, path: str) -> None:

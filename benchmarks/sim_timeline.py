@@ -18,6 +18,8 @@ def events(timeline: dict) -> list[tuple[float, str]]:
                   + [(t, "add") for t in timeline["arrivals"]]
                   + [(t, "submit") for t in timeline["submits"]]
                   + [(t, f"finished {n}") for t, n in timeline["finishes"]]
+                  + [(t, f"delivered {n} finished") for t, n in timeline.get("delivers", ())]
+                  + [(t, "stream end") for t in timeline.get("stream_ends", ())]
                   + [(t, f"idle {gap * 1e3:.1f} ms") for t, gap in timeline["idle"]])
 
 
@@ -36,7 +38,7 @@ def main() -> None:
         ms = (t - start) * 1e3
         if not args.from_ms <= ms <= args.to_ms:
             continue
-        if runs and what in ("add", "submit") and runs[-1][2] == what:
+        if runs and what in ("add", "submit", "stream end") and runs[-1][2] == what:
             runs[-1][1], runs[-1][3] = ms, runs[-1][3] + 1
         else:
             runs.append([ms, ms, what, 1])

@@ -1,9 +1,11 @@
 """The server's host-side shortcuts give the same results as the plain paths they replace.
 
 PromptEncoder (the event loop's prompt encoding, which keeps the GIL) must give HF's ids for
-every text; the uvicorn access log flag must reach uvicorn's config.
+every text; the uvicorn access log flag must reach uvicorn's config; request ids drawn without a
+system call must still never repeat, in one process or across a fork.
 """
 import argparse
+import os
 
 import pytest
 
@@ -61,3 +63,28 @@ def test_uvicorn_access_log_flag(flags, access_log):
     args = add_cli_args(argparse.ArgumentParser()).parse_args(["--port", "0", *flags])
     config = uvicorn_config(object(), args)
     assert config.access_log is access_log and config.port == 0 and config.host == "127.0.0.1"
+
+
+def test_random_ids_are_hex_of_their_length_and_never_repeat():
+    from nanovllm.utils.random_ids import random_hex
+    ids = [random_hex() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len(random_hex(24)) == 24
+    assert len({random_hex(1) for _ in range(1_000)}) == 16   # every digit reachable, zero-padded to width
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_draws_other_ids_than_its_parent():
+    from nanovllm.utils.random_ids import random_hex
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: its next ids, written back to the parent
+        os.write(write, "".join(random_hex() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as f:
+        child = f.read()
+    parent = "".join(random_hex() for _ in range(4))
+    assert len(child) == len(parent) == 128 and child != parent

@@ -23,8 +23,9 @@ repeats nothing. This module is pure file handling: no engine, no event loop.
 """
 import json
 import os
-import uuid
 from dataclasses import dataclass, field
+
+from nanovllm.utils.random_ids import random_hex
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -128,7 +129,7 @@ def error_line(line_no: int, custom_id: str | None, status: int, message: str, p
 
 
 def new_batch_id() -> str:
-    return f"batch_req_{uuid.uuid4().hex}"
+    return f"batch_req_{random_hex()}"
 
 
 def completion_tokens(line: dict) -> int:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import time
-import uuid
 from dataclasses import dataclass, fields
 from typing import AsyncIterator
 
@@ -21,6 +20,7 @@ from nanovllm.entrypoints.openai.prompt_encoder import PromptEncoder
 from nanovllm.entrypoints.openai.protocol import SAMPLING_FIELDS
 from nanovllm.outputs import Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.random_ids import random_hex
 
 # JSON has no -inf: a token with zero probability gets this logprob, as in vLLM.
 MIN_LOGPROB = -9999.0
@@ -179,7 +179,7 @@ def _param_of(message: str, request_id: str) -> str | None:
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{random_hex()}"
 
 
 def top_logprobs(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -19,14 +19,15 @@ and named functions constrain (tool_fields.py), whatever the model family. A cal
 max_tokens keeps the arguments written so far (finish_reason "length"), as OpenAI's.
 """
 import json
-import uuid
 from dataclasses import dataclass
+
+from nanovllm.utils.random_ids import random_hex
 
 _WS = " \t\n\r"
 
 
 def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+    return f"call_{random_hex(24)}"
 
 
 @dataclass
