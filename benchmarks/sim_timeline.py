@@ -8,9 +8,16 @@ when the engine took them, and what the device ran meanwhile (benchmarks/RESULTS
 while requests arrive").
 
     python benchmarks/sim_timeline.py PATH [--from-ms 500 --to-ms 800] [--offline]
+    python benchmarks/sim_timeline.py PATH --waves
+
+--waves folds each wave boundary into one line instead: from the moment the event loop took a
+step's finished outputs (a wave's end, at least --wave-size of them) to the last of those streams
+ended, to the first and last command it queued after them, and to the engine's next launch of
+more than one row (the next wave's prefill); then the mean of each over the waves.
 """
 import argparse
 import json
+import statistics
 
 
 def events(timeline: dict) -> list[tuple[float, str]]:
@@ -23,15 +30,47 @@ def events(timeline: dict) -> list[tuple[float, str]]:
                   + [(t, f"idle {gap * 1e3:.1f} ms") for t, gap in timeline["idle"]])
 
 
+def wave_turnarounds(timeline: dict, wave_size: int) -> list[dict[str, float]]:
+    """Per wave boundary, ms from the delivery of its finished outputs to each later event (see --waves)."""
+    waves = []
+    for delivered, finished in timeline["delivers"]:
+        launches = [t for t, rows, _ in timeline["launches"] if t > delivered and rows > 1]
+        if finished < wave_size or not launches:
+            continue
+        nxt = launches[0]
+        ends = [t for t in timeline["stream_ends"] if delivered <= t < nxt]
+        submits = [t for t in timeline["submits"] if delivered < t < nxt]
+        if not ends or not submits:
+            continue
+        waves.append({name: round((t - delivered) * 1e3, 2) for name, t in
+                      (("streams ended", max(ends)), ("first submit", min(submits)),
+                       ("last submit", max(submits)), ("next launch", nxt))})
+    return waves
+
+
+def print_waves(timeline: dict, wave_size: int) -> None:
+    waves = wave_turnarounds(timeline, wave_size)
+    if not waves:
+        raise SystemExit(f"no wave of {wave_size} finished requests followed by a launch (timed events "
+                         "come from a thread-mode server)")
+    for wave in waves:
+        print("  ".join(f"{name} {ms:6.2f}" for name, ms in wave.items()))
+    print("mean " + "  ".join(f"{name} {statistics.mean(w[name] for w in waves):6.2f}" for name in waves[0]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path")
     parser.add_argument("--from-ms", type=float, default=0.0)
     parser.add_argument("--to-ms", type=float, default=float("inf"))
     parser.add_argument("--offline", action="store_true", help="the offline baseline's timeline, not the server's")
+    parser.add_argument("--waves", action="store_true", help="one line per wave boundary (see above)")
+    parser.add_argument("--wave-size", type=int, default=64, help="finished requests that make a wave's end")
     args = parser.parse_args()
     with open(args.path) as f:
         timeline = json.load(f)["offline_sim_device" if args.offline else "sim_device"]
+    if args.waves:
+        return print_waves(timeline, args.wave_size)
     start = timeline["launches"][0][0]
     runs: list[list] = []   # [first ms, last ms, what, count]
     for t, what in events(timeline):
