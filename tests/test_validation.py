@@ -418,3 +418,16 @@ def test_bad_request_through_the_engine_api(still_serves):
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         engine.add_request("long", [5] * 10, SamplingParams(max_tokens=MAX_MODEL_LEN))
     assert engine.step() == []
+
+
+def test_a_tokenizer_that_does_not_load_fails_the_engine_with_its_own_error(model_dir, tmp_path):
+    # the tokenizer loads in a thread beside the model runner: its failure must still reach the caller
+    from transformers import AutoTokenizer
+    bad = tmp_path / "bad_tokenizer"
+    bad.mkdir()
+    (bad / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(Exception) as direct:
+        AutoTokenizer.from_pretrained(str(bad))
+    with pytest.raises(type(direct.value)) as failure:
+        LLM(model_dir, dtype="float32", tokenizer=str(bad), max_model_len=MAX_MODEL_LEN, num_kvcache_blocks=NUM_BLOCKS)
+    assert str(failure.value) == str(direct.value)

@@ -8,8 +8,10 @@ scripts: streamed, or with the deltas folded into final outputs.
 import atexit
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from itertools import count
 
@@ -67,8 +69,9 @@ class LLMEngine:
         # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
         # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
-        self.tokenizer = None if self.config.skip_tokenizer_init else source.tokenizer(self.config.tokenizer)
+        tokenizer = self._load_tokenizer_in_background(source)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
+        self.tokenizer = tokenizer.result()
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, self.config.kvcache_block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
@@ -79,6 +82,25 @@ class LLMEngine:
         self._request_counter = count()
         self.last_step_stats = (0, 0, 0.0)  # prefill tokens, decode tokens, seconds
         freeze_startup_heap()
+
+    def _load_tokenizer_in_background(self, source: ModelSource) -> Future:
+        """The tokenizer (None with skip_tokenizer_init), loaded in a thread while the model runner
+        builds: most of a start-up waits on the device, weight files or native code that let go of
+        the GIL. On CPU, with a dummy Qwen3-0.6B, `LLM(...)` took ~0.5 s less (benchmarks/RESULTS.md,
+        "Thirtieth session"). A load that fails raises from `result()`, after the model runner."""
+        future: Future = Future()
+        if self.config.skip_tokenizer_init:
+            future.set_result(None)
+            return future
+        load = source.tokenizer_loader(self.config.tokenizer)   # imports here, in this thread
+
+        def run():
+            try:
+                future.set_result(load())
+            except BaseException as e:
+                future.set_exception(e)
+        threading.Thread(target=run, name="nanovllm-tokenizer-load", daemon=True).start()
+        return future
 
     @staticmethod
     def _generation_defaults(source: ModelSource) -> dict:

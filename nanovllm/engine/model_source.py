@@ -9,7 +9,9 @@ needs llama-cpp-python, which we never install).
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from nanovllm.model_config import ModelConfig
 
@@ -84,11 +86,19 @@ class ModelSource:
         return iter_safetensors(self.path)
 
     def tokenizer(self, tokenizer_path: str | None = None):
+        """The tokenizer of `tokenizer_path` (an HF directory), else this model's own."""
+        return self.tokenizer_loader(tokenizer_path)()
+
+    def tokenizer_loader(self, tokenizer_path: str | None = None) -> Callable[[], object]:
+        """`tokenizer` in two halves: this call imports the modules it needs, the returned function
+        loads it. The engine runs the second half in a thread of its own while it builds its model;
+        the imports stay in the caller's thread, since two threads importing the same modules at
+        once (transformers brings in parts of torch in some versions) can fail."""
         if self.format == "gguf" and tokenizer_path is None:
-            from nanovllm.utils.gguf_loader import gguf_tokenizer
-            return gguf_tokenizer(self.path)
+            from nanovllm.utils.gguf_loader import gguf_tokenizer_loader
+            return gguf_tokenizer_loader(self.path)
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(tokenizer_path or self.path)
+        return partial(AutoTokenizer.from_pretrained, tokenizer_path or self.path)
 
 
 def _read_json(path: str) -> dict:

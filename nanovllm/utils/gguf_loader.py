@@ -395,15 +395,23 @@ SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
 
 def gguf_tokenizer(path: str):
     """An HF fast tokenizer from the file's vocabulary, special tokens and chat template."""
+    return gguf_tokenizer_loader(path)()
+
+
+def gguf_tokenizer_loader(path: str):
+    """`gguf_tokenizer(path)` as a function to call later; the modules it needs are imported now."""
     from transformers import PreTrainedTokenizerFast
-    header = read_gguf_header(path)
-    md = header.metadata
-    if "tokenizer.ggml.tokens" not in md:
-        raise ValueError(f"{path} has no tokenizer in its metadata; pass tokenizer=<HF tokenizer dir>")
-    tokenizer_dict = {name: md[f"tokenizer.ggml.{key}"] for key, name in TOKENIZER_KEYS.items()
-                      if f"tokenizer.ggml.{key}" in md}
-    backend, extra = _convert_tokenizer(md["general.architecture"], tokenizer_dict)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **_tokenizer_config(md), **extra)
+    convert = _tokenizer_converter()
+
+    def load():
+        md = read_gguf_header(path).metadata
+        if "tokenizer.ggml.tokens" not in md:
+            raise ValueError(f"{path} has no tokenizer in its metadata; pass tokenizer=<HF tokenizer dir>")
+        tokenizer_dict = {name: md[f"tokenizer.ggml.{key}"] for key, name in TOKENIZER_KEYS.items()
+                          if f"tokenizer.ggml.{key}" in md}
+        backend, extra = convert(md["general.architecture"], tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **_tokenizer_config(md), **extra)
+    return load
 
 
 def _tokenizer_config(md: dict) -> dict:
@@ -419,9 +427,10 @@ def _tokenizer_config(md: dict) -> dict:
     return config
 
 
-def _convert_tokenizer(architecture: str, tokenizer_dict: dict):
+def _tokenizer_converter():
+    """transformers' `convert_gguf_tokenizer(architecture, tokenizer_dict)`."""
     try:  # transformers >= 5.x
         from transformers.integrations.gguf import convert_gguf_tokenizer
     except ImportError:  # transformers 4.x
         from transformers.integrations.ggml import convert_gguf_tokenizer
-    return convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return convert_gguf_tokenizer
