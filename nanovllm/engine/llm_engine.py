@@ -85,9 +85,10 @@ class LLMEngine:
 
     def _load_tokenizer_in_background(self, source: ModelSource) -> Future:
         """The tokenizer (None with skip_tokenizer_init), loaded in a thread while the model runner
-        builds: most of a start-up waits on the device, weight files or native code that let go of
-        the GIL. On CPU, with a dummy Qwen3-0.6B, `LLM(...)` took ~0.5 s less (benchmarks/RESULTS.md,
-        "Thirtieth session"). A load that fails raises from `result()`, after the model runner."""
+        builds, which waits much of the time on weight files, native code or the device with the GIL
+        let go. On CPU `LLM(...)` of a dummy Qwen3-0.6B took a median 4.39 s against 5.81; a GGUF
+        model, whose build holds the GIL, gained nothing (benchmarks/RESULTS.md, "Thirtieth session").
+        A load that fails raises from `result()`, after the model runner is built."""
         future: Future = Future()
         if self.config.skip_tokenizer_init:
             future.set_result(None)
