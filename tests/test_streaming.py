@@ -7,7 +7,7 @@ string): the forward pass still runs, and everything after sampling is the engin
 import pytest
 
 from nanovllm import LLM, RequestOutput, SamplingParams
-from smollm2_tokenizer import smollm2_tokenizer, tiny_model_with_smollm2_tokenizer
+from smollm2_tokenizer import tiny_model_with_smollm2_tokenizer
 from tiny_models import random_prompts
 
 NUM_BLOCKS = 48

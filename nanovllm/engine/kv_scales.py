@@ -24,7 +24,6 @@ ranks, so every rank quantizes as one rank would.
 import torch
 from torch import nn
 
-from nanovllm.kernels import kv_quant
 from nanovllm.layers.attention import Attention
 from nanovllm.utils.context import Context, set_context
 
