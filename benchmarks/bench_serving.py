@@ -62,8 +62,10 @@ def times_device_events(args) -> bool:
 def start_server(args) -> tuple[subprocess.Popen, str]:
     server = ["-m", "nanovllm.entrypoints.openai.api_server"]
     if args.simulate_step_ms is not None:   # the real server and engine on a simulated device (sim_device.py)
+        token_us = getattr(args, "simulate_token_us", None)
         server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--step-ms", str(args.simulate_step_ms),
-                  "--prefill-ms", str(args.simulate_prefill_ms), "--"]
+                  "--prefill-ms", str(args.simulate_prefill_ms),
+                  *(["--token-us", str(token_us)] if token_us is not None else []), "--"]
     elif args.sim_timeline:   # the real device, its events timed as the simulated device's are
         server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--real-device", "--"]
     cmd = [sys.executable, *server, *([args.model] if args.model else []),
@@ -286,7 +288,8 @@ def offline_tokens_per_s(args) -> tuple[float, float, dict | None]:
     if args.simulate_step_ms is not None:
         sys.path.insert(0, os.path.join(REPO, "benchmarks"))
         import sim_device
-        sim_device.install(args.simulate_step_ms, prefill_ms=args.simulate_prefill_ms)
+        token_us = sim_device.DEFAULT_TOKEN_US if args.simulate_token_us is None else args.simulate_token_us
+        sim_device.install(args.simulate_step_ms, token_us, args.simulate_prefill_ms)
     llm = LLM(args.model, max_num_seqs=args.concurrency, **json.loads(args.offline_engine_kwargs))
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
@@ -333,6 +336,9 @@ def main() -> None:
     parser.add_argument("--simulate-prefill-ms", type=float, default=0.0,
                         help="with --simulate-step-ms: more for each step that prefills (a GPU prefill step of a "
                              "few short prompts took ~30-40 ms in B3 eager, ~10 ms from a CUDA graph)")
+    parser.add_argument("--simulate-token-us", type=float, default=None,
+                        help="with --simulate-step-ms: more for each token a step schedules (default: "
+                             "sim_device's DEFAULT_TOKEN_US)")
     parser.add_argument("--sim-timeline", metavar="PATH", default=None,
                         help="write the device's timed events (launches, requests added, submitted and finished, "
                              "and on the simulated device its idle gaps) there as JSON (sim_timeline.py prints it); "
@@ -340,8 +346,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sim_timeline and args.url:
         parser.error("--sim-timeline needs a server started here (no --url)")
-    if args.simulate_prefill_ms and args.simulate_step_ms is None:
-        parser.error("--simulate-prefill-ms needs --simulate-step-ms")
+    if (args.simulate_prefill_ms or args.simulate_token_us is not None) and args.simulate_step_ms is None:
+        parser.error("--simulate-prefill-ms and --simulate-token-us need --simulate-step-ms")
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)
