@@ -162,6 +162,18 @@ def test_start_up_says_how_many_cache_blocks_it_sized(model_path, capsys):
     assert lines[0].endswith(" s")
 
 
+def test_start_up_says_when_the_tokenizer_loaded_beside_the_model_runner(capsys):
+    from smollm2_tokenizer import smollm2_tokenizer, tiny_model_with_smollm2_tokenizer
+    path = tiny_model_with_smollm2_tokenizer()
+    capsys.readouterr()
+    engine = LLM(path, **{**ENGINE, "skip_tokenizer_init": False}).llm_engine
+    lines = [line for line in capsys.readouterr().err.splitlines() if "start-up:" in line]
+    text = "The capital of France is Paris."
+    assert engine.tokenizer.encode(text) == smollm2_tokenizer().encode(text)
+    assert any(line.startswith("nanovllm: start-up: tokenizer loaded beside the model runner in ") for line in lines)
+    assert len(lines) == 2
+
+
 def test_start_up_phases_are_told_by_rank_zero_only(capsys):
     log_startup_phase(1, "decode graphs captured", 0.0)
     assert capsys.readouterr().err == ""

@@ -24,6 +24,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.sampling_metadata import ModelRunnerOutput
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.warmup import log_startup_phase
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.structured_outputs.manager import StructuredOutputManager
@@ -96,10 +97,13 @@ class LLMEngine:
         load = source.tokenizer_loader(self.config.tokenizer)   # imports here, in this thread
 
         def run():
+            start = time.perf_counter()
             try:
                 future.set_result(load())
             except BaseException as e:
                 future.set_exception(e)
+                return
+            log_startup_phase(0, "tokenizer loaded beside the model runner", start)
         threading.Thread(target=run, name="nanovllm-tokenizer-load", daemon=True).start()
         return future
 
