@@ -207,18 +207,31 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
 
 
 def run_timed(url: str, args,
-              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float] | None]:
+              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float, int] | None]:
     """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
     process's, its child processes' (the engine process in multiprocess mode) and its main
-    thread's (the event loop); None: not started here. The CPU time counts the warm-up request too."""
+    thread's (the event loop), then how often the event loop was forced off its core (a thread
+    mode engine's GIL hand-offs show there); None: not started here. The CPU time counts the
+    warm-up request too."""
     cpu_start = server_cpu_s(server_pid) if server_pid else None
     loop_start = process_cpu_s(server_pid, server_pid) if server_pid else None
+    forced_start = forced_switches(server_pid, server_pid) if server_pid else None
     results, elapsed = asyncio.run(run_clients(url, args))
     if not server_pid:
         return results, elapsed, None
     cpu_end = server_cpu_s(server_pid)
     loop_end = process_cpu_s(server_pid, server_pid)
-    return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1], loop_end - loop_start)
+    forced_end = forced_switches(server_pid, server_pid)
+    return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1], loop_end - loop_start,
+                              forced_end - forced_start)
+
+
+def forced_switches(pid: int, tid: int) -> int:
+    """How often thread `tid` of process `pid` has been taken off its core so far, not having
+    blocked itself: by the scheduler, or to hand the GIL to a thread that waited a switch
+    interval for it (Linux /proc)."""
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
 
 
 def server_cpu_s(pid: int) -> tuple[float, float]:
@@ -251,7 +264,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float, float] | None, args) -> dict:
+def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float, float, int] | None,
+              args) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     ttft = [r["ttft"] for r in ok]
@@ -272,6 +286,7 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
             "engine_process_cpu_ms_per_token": per_token_ms(server_cpu[1], out_tokens) if server_cpu else None,
             # of the server's own process, its main thread: the event loop (HTTP, templates, streams)
             "event_loop_cpu_ms_per_token": per_token_ms(server_cpu[2], out_tokens) if server_cpu else None,
+            "event_loop_forced_switches_per_request": round(server_cpu[3] / len(ok), 2) if server_cpu and ok else None,
             "first_errors": errors[:3]}
 
 
@@ -376,7 +391,8 @@ def main() -> None:
     if summary["server_cpu_ms_per_token"] is not None:
         print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token (its own process "
               f"{summary['frontend_cpu_ms_per_token']}, of it the event loop {summary['event_loop_cpu_ms_per_token']}; "
-              f"child processes {summary['engine_process_cpu_ms_per_token']})")
+              f"child processes {summary['engine_process_cpu_ms_per_token']}); the event loop forced off its "
+              f"core {summary['event_loop_forced_switches_per_request']} times a request")
     if args.offline_baseline:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
               f"(serving / offline = {summary['serving_over_offline']}); "
