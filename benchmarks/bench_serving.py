@@ -210,28 +210,28 @@ def run_timed(url: str, args,
               server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float, int] | None]:
     """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
     process's, its child processes' (the engine process in multiprocess mode) and its main
-    thread's (the event loop), then how often the event loop was forced off its core (a thread
-    mode engine's GIL hand-offs show there); None: not started here. The CPU time counts the
-    warm-up request too."""
+    thread's (the event loop), then the event loop's context switches, voluntary and forced
+    (`context_switches`); None: not started here. The CPU time counts the warm-up request too."""
     cpu_start = server_cpu_s(server_pid) if server_pid else None
     loop_start = process_cpu_s(server_pid, server_pid) if server_pid else None
-    forced_start = forced_switches(server_pid, server_pid) if server_pid else None
+    switches_start = context_switches(server_pid, server_pid) if server_pid else None
     results, elapsed = asyncio.run(run_clients(url, args))
     if not server_pid:
         return results, elapsed, None
     cpu_end = server_cpu_s(server_pid)
     loop_end = process_cpu_s(server_pid, server_pid)
-    forced_end = forced_switches(server_pid, server_pid)
+    switches_end = context_switches(server_pid, server_pid)
     return results, elapsed, (cpu_end[0] - cpu_start[0], cpu_end[1] - cpu_start[1], loop_end - loop_start,
-                              forced_end - forced_start)
+                              switches_end[0] - switches_start[0], switches_end[1] - switches_start[1])
 
 
-def forced_switches(pid: int, tid: int) -> int:
-    """How often thread `tid` of process `pid` has been taken off its core so far, not having
-    blocked itself: by the scheduler, or to hand the GIL to a thread that waited a switch
-    interval for it (Linux /proc)."""
+def context_switches(pid: int, tid: int) -> tuple[int, int]:
+    """Thread `tid` of process `pid`'s context switches so far (Linux /proc): voluntary (it blocked:
+    waiting for I/O, or for the GIL another thread holds) and forced (taken off its core, e.g. for a
+    thread it woke when it let go of the GIL, where no other core was free)."""
     with open(f"/proc/{pid}/task/{tid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+        fields = dict(line.split(":") for line in f if "ctxt_switches" in line)
+    return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
 
 
 def server_cpu_s(pid: int) -> tuple[float, float]:
@@ -264,7 +264,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float, float, int] | None,
+def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, float, float, int, int] | None,
               args) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -286,7 +286,9 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
             "engine_process_cpu_ms_per_token": per_token_ms(server_cpu[1], out_tokens) if server_cpu else None,
             # of the server's own process, its main thread: the event loop (HTTP, templates, streams)
             "event_loop_cpu_ms_per_token": per_token_ms(server_cpu[2], out_tokens) if server_cpu else None,
-            "event_loop_forced_switches_per_request": round(server_cpu[3] / len(ok), 2) if server_cpu and ok else None,
+            # how often the event loop blocked (I/O waits, the GIL) and was forced off its core
+            "event_loop_voluntary_switches_per_request": round(server_cpu[3] / len(ok), 2) if server_cpu and ok else None,
+            "event_loop_forced_switches_per_request": round(server_cpu[4] / len(ok), 2) if server_cpu and ok else None,
             "first_errors": errors[:3]}
 
 
@@ -391,8 +393,9 @@ def main() -> None:
     if summary["server_cpu_ms_per_token"] is not None:
         print(f"  server CPU time {summary['server_cpu_ms_per_token']} ms per output token (its own process "
               f"{summary['frontend_cpu_ms_per_token']}, of it the event loop {summary['event_loop_cpu_ms_per_token']}; "
-              f"child processes {summary['engine_process_cpu_ms_per_token']}); the event loop forced off its "
-              f"core {summary['event_loop_forced_switches_per_request']} times a request")
+              f"child processes {summary['engine_process_cpu_ms_per_token']}); the event loop's context "
+              f"switches a request: {summary['event_loop_voluntary_switches_per_request']} voluntary, "
+              f"{summary['event_loop_forced_switches_per_request']} forced")
     if args.offline_baseline:
         print(f"  offline LLM.generate, same requests: {summary['offline_output_tokens_per_s']} output tokens/s "
               f"(serving / offline = {summary['serving_over_offline']}); "
