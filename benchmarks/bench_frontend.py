@@ -65,6 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     args.show_server_log = False
     args.simulate_prefill_ms = 0.0  # start_server's: a prefill's device time adds no CPU to what this reads
+    args.simulate_token_us = None   # start_server's: sim_device's default
     proc, url = start_server(args)
     try:
         asyncio.run(run_requests(url, WARMUP_REQUESTS, args.max_tokens))

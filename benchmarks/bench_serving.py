@@ -62,10 +62,9 @@ def times_device_events(args) -> bool:
 def start_server(args) -> tuple[subprocess.Popen, str]:
     server = ["-m", "nanovllm.entrypoints.openai.api_server"]
     if args.simulate_step_ms is not None:   # the real server and engine on a simulated device (sim_device.py)
-        token_us = getattr(args, "simulate_token_us", None)
         server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--step-ms", str(args.simulate_step_ms),
                   "--prefill-ms", str(args.simulate_prefill_ms),
-                  *(["--token-us", str(token_us)] if token_us is not None else []), "--"]
+                  *(["--token-us", str(args.simulate_token_us)] if args.simulate_token_us is not None else []), "--"]
     elif args.sim_timeline:   # the real device, its events timed as the simulated device's are
         server = [os.path.join(REPO, "benchmarks", "sim_device.py"), "--real-device", "--"]
     cmd = [sys.executable, *server, *([args.model] if args.model else []),
@@ -207,7 +206,7 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
 
 
 def run_timed(url: str, args,
-              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float, int] | None]:
+              server_pid: int | None) -> tuple[list[dict], float, tuple[float, float, float, int, int] | None]:
     """The clients' results, the timed run's seconds and the server's CPU seconds in it: its own
     process's, its child processes' (the engine process in multiprocess mode) and its main
     thread's (the event loop), then the event loop's context switches, voluntary and forced
