@@ -4,7 +4,9 @@ Starts `python -m nanovllm.entrypoints.openai.api_server` (the embedded SmolLM2
 model unless --model is given) on a free loopback port, or uses a running server
 (--url). Each of --concurrency clients sends streaming chat requests back to back
 until --num-prompts requests have been sent; each request asks for exactly
---max-tokens tokens (ignore_eos), so runs are comparable.
+--max-tokens tokens (ignore_eos), so runs are comparable. With --request-rate the
+requests arrive at Poisson times instead (an open loop, as vLLM's `bench serve
+--request-rate R --max-concurrency N`), at most --concurrency of them in flight.
 
 Per request: time to first token (TTFT: from sending the request to the first
 chunk with content), time per output token (TPOT: (last token time - first token
@@ -25,6 +27,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import re
 import signal
 import statistics
@@ -169,7 +172,8 @@ async def one_request_stdlib(conn: SSEConnection, question: str, max_tokens: int
 
 
 async def run_clients(url: str, args) -> tuple[list[dict], float]:
-    """--concurrency clients, each on its own keep-alive connection, sending requests back to back."""
+    """--concurrency clients, each on its own keep-alive connection, sending requests back to back;
+    with a finite --request-rate, requests sent at Poisson arrival times over those connections."""
     results: list[dict] = []
     counter = iter(range(args.num_prompts))
     if args.client == "httpx":
@@ -181,21 +185,47 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
         send, errors = one_request_stdlib, (OSError, asyncio.IncompleteReadError, ValueError)
         conns = [SSEConnection.of_url(url) for _ in range(args.concurrency)]
 
+    async def request(conn, i: int) -> None:
+        try:
+            results.append(await asyncio.wait_for(send(conn, QUESTIONS[i % len(QUESTIONS)], args.max_tokens),
+                                                  REQUEST_TIMEOUT_S))
+        except (errors, asyncio.TimeoutError) as e:
+            results.append({"error": repr(e)})
+            if conn is not None:
+                await conn.close()
+
     async def client(conn):
         for i in counter:
+            await request(conn, i)
+
+    async def open_loop():
+        """Requests sent at Poisson arrival times (--request-rate), each on a free connection: at
+        most --concurrency in flight, a later arrival waits for one (its TTFT counts from its send)."""
+        free: asyncio.Queue = asyncio.Queue()
+        for conn in conns:
+            free.put_nowait(conn)
+
+        async def arrival(i: int) -> None:
+            conn = await free.get()
             try:
-                results.append(await asyncio.wait_for(send(conn, QUESTIONS[i % len(QUESTIONS)], args.max_tokens),
-                                                      REQUEST_TIMEOUT_S))
-            except (errors, asyncio.TimeoutError) as e:
-                results.append({"error": repr(e)})
-                if conn is not None:
-                    await conn.close()
+                await request(conn, i)
+            finally:
+                free.put_nowait(conn)
+        rng, due, tasks = random.Random(args.seed), time.perf_counter(), []
+        for i in range(args.num_prompts):
+            due += rng.expovariate(args.request_rate)
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(arrival(i)))
+        await asyncio.gather(*tasks)
     try:
         await send(conns[0], "Hello!", 4)   # warm-up: first-call costs stay out of the figures
         if args.client == "stdlib":   # every client's connection open before the clock starts, as conns[0]'s is
             await asyncio.gather(*(conn.connect() for conn in conns))
         start = time.perf_counter()
-        await asyncio.gather(*(client(conn) for conn in conns))
+        if math.isinf(args.request_rate):
+            await asyncio.gather(*(client(conn) for conn in conns))
+        else:
+            await open_loop()
         return results, time.perf_counter() - start
     finally:
         if args.client == "httpx":
@@ -270,7 +300,8 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
-    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "num_prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -338,6 +369,11 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="extra flags for the started server, one string")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests a second, sent at Poisson arrival times with at most --concurrency in "
+                             "flight (vLLM's bench serve --request-rate with --max-concurrency); default inf: "
+                             "--concurrency clients sending back to back (closed loop)")
+    parser.add_argument("--seed", type=int, default=0, help="the arrival times' random seed (--request-rate)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--client", choices=("stdlib", "httpx"), default="stdlib",
                         help="the clients' HTTP library: stdlib (sse_client.py: asyncio streams, the lighter "
@@ -364,6 +400,8 @@ def main() -> None:
         parser.error("--sim-timeline needs a server started here (no --url)")
     if (args.simulate_prefill_ms or args.simulate_token_us is not None) and args.simulate_step_ms is None:
         parser.error("--simulate-prefill-ms and --simulate-token-us need --simulate-step-ms")
+    if not args.request_rate > 0:
+        parser.error(f"--request-rate must be > 0, got {args.request_rate}")
     proc, url = (None, args.url) if args.url else start_server(args)
     try:
         results, elapsed, server_cpu = run_timed(url, args, proc.pid if proc is not None else None)
@@ -384,8 +422,9 @@ def main() -> None:
         summary["offline_output_tokens_per_s"] = round(offline, 1)
         summary["offline_cpu_ms_per_token"] = round(offline_cpu_ms, 4)
         summary["serving_over_offline"] = round(summary["output_tokens_per_s"] / offline, 3)
+    arrivals = "" if math.isinf(args.request_rate) else f" (at most), {args.request_rate} requests/s (Poisson)"
     print(f"B3 serving: {summary['completed']}/{args.num_prompts} requests ok, {summary['errors']} errors, "
-          f"concurrency {args.concurrency}, {args.max_tokens} tokens each")
+          f"concurrency {args.concurrency}{arrivals}, {args.max_tokens} tokens each")
     print(f"  requests/s {summary['requests_per_s']}, output tokens/s {summary['output_tokens_per_s']}")
     print(f"  TTFT median {summary['ttft_median_ms']} ms, p99 {summary['ttft_p99_ms']} ms")
     print(f"  TPOT median {summary['tpot_median_ms']} ms, p99 {summary['tpot_p99_ms']} ms")

@@ -47,9 +47,12 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 #   MIN_CLIPPED_ROUND_STEPS steps in: its stream ends then instead of a round later, and its slot
 #   can take the next arrival. (Without it the short rounds shift the requests of a closed loop
 #   off the round grid, and their last rows ran up to 15 steps past their end.) A round of one step
-#   is not clipped to: it runs synchronously (nothing can be chained onto it), so the device would
-#   wait for the host. A round is not chained past that end while a request waits (it takes the
-#   slot).
+#   is not clipped to while another sequence goes on: it runs synchronously (nothing can be chained
+#   onto it), so the device would wait for the host. A round is not chained past that end while a
+#   request waits (it takes the slot).
+# With or without them, no round runs past the step where its last sequence reaches max_tokens:
+# those steps' tokens would all be dropped (a wave of B3 that ended together ran 15 such steps of
+# 64 rows with adaptive rounds, 1 without; RESULTS.md "Thirty-first session").
 # A full batch runs full-length rounds. Off by default: on the H200, B3 (64 streams of 256 tokens)
 # served 27,559 and 25,096 tok/s with them against 26,681 and 27,494 without, alternating in one call
 # (RESULTS.md "Twenty-first session"): no gain shown there, and under steady arrivals that never fill

@@ -57,7 +57,8 @@ def _step(engine, outputs: dict) -> None:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_scheduling):
     """LLM.generate with a batch that has room (4 prompts, max_num_seqs 8), adaptive rounds at
-    their default (off): full-length rounds, the last one past max_tokens."""
+    their default (off): full-length rounds, the last one ending where every sequence reaches
+    max_tokens (steps past every row's end would only be dropped)."""
     path, hf = tiny_model("qwen3")
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
               async_scheduling=async_scheduling, max_num_seqs=8)
@@ -65,7 +66,8 @@ def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_schedu
     steps = _record_steps(monkeypatch, llm.llm_engine)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-    assert steps == [1, STEPS, STEPS, STEPS, STEPS]  # the prefill step, then full rounds
+    full_rounds = (GREEDY.max_tokens - 1) // STEPS
+    assert steps == [1, *[STEPS] * full_rounds, GREEDY.max_tokens - 1 - full_rounds * STEPS]  # the prefill step first
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -84,18 +86,24 @@ def test_rounds_after_an_arrival_start_short_and_double(tiny_model, monkeypatch,
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_round_is_not_clipped_to_one_step(tiny_model, monkeypatch, async_scheduling):
-    """One token left at a round's start (config.MIN_CLIPPED_ROUND_STEPS): a full round, whose
-    rows past max_tokens are dropped, not a one-step round the device would wait out."""
+    """One token left for one sequence at a round's start (config.MIN_CLIPPED_ROUND_STEPS): a
+    full round for the other, whose rows past the first's max_tokens are dropped, not a one-step
+    round the device would wait out. Where every sequence has one token left, one step: the
+    rest would all be dropped."""
     path, hf = tiny_model("qwen3")
-    engine = _llm(path, async_scheduling=async_scheduling).llm_engine
-    steps = _record_steps(monkeypatch, engine)
     max_tokens = 1 + sum(RAMP) + STEPS + 1   # the prefill step's token, the ramp, a full round, one more
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = {}
-    request = engine.add_request(None, PROMPTS[0], params)
-    _drain(engine, outputs)
-    assert steps == [1, *RAMP, STEPS, STEPS]
-    assert outputs[request] == hf_greedy(hf, PROMPTS[0], max_tokens)
+    # the second sequence of the first pair runs one more full round, then its last token alone
+    for lengths, expected in (([max_tokens, max_tokens + STEPS], [1, *RAMP, STEPS, STEPS, 1]),
+                              ([max_tokens] * 2, [1, *RAMP, STEPS, 1])):
+        engine = _llm(path, async_scheduling=async_scheduling).llm_engine
+        steps = _record_steps(monkeypatch, engine)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+        ids = [engine.add_request(None, p, sp) for p, sp in zip(PROMPTS, params)]
+        outputs = {}
+        _drain(engine, outputs)
+        assert steps == expected
+        for request_id, prompt, m in zip(ids, PROMPTS, lengths):
+            assert outputs[request_id] == hf_greedy(hf, prompt, m)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -431,16 +431,18 @@ class LLMEngine:
                                             num_pending)
 
     def _max_round_steps(self, seqs: list[Sequence], num_pending: int) -> int:
-        """The most decode steps a round of `seqs` may run: num_scheduler_steps, or with adaptive
-        rounds fewer (config.ARRIVAL_ROUND_STEPS): while the rounds after an arrival grow back
-        and the batch has room, and up to where a sequence reaches max_tokens."""
-        steps = self.num_scheduler_steps
+        """The most decode steps a round of `seqs` may run: num_scheduler_steps, never more than the
+        longest of them still needs (a step past every row's max_tokens would only be dropped), and
+        with adaptive rounds fewer (config.ARRIVAL_ROUND_STEPS): while the rounds after an arrival
+        grow back and the batch has room, and up to where a sequence reaches max_tokens."""
+        to_length = [s.sampling_params.max_tokens - s.num_completion_tokens - num_pending for s in seqs]
+        steps = min(self.num_scheduler_steps, max(to_length))
         if not self.adaptive_rounds:
             return steps
         if self._rounds_since_arrival is not None and len(seqs) < self.config.max_num_seqs:
             steps = min(steps, ARRIVAL_ROUND_STEPS << self._rounds_since_arrival)
-        to_length = min(s.sampling_params.max_tokens - s.num_completion_tokens for s in seqs) - num_pending
-        return to_length if MIN_CLIPPED_ROUND_STEPS <= to_length < steps else steps
+        first_end = min(to_length)
+        return first_end if MIN_CLIPPED_ROUND_STEPS <= first_end < steps else steps
 
     def _count_round(self) -> None:
         """One more round (or plain step) launched since the last arrival."""
