@@ -53,10 +53,13 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # With or without them, no round runs past the step where its last sequence reaches max_tokens:
 # those steps' tokens would all be dropped (a wave of B3 that ended together ran 15 such steps of
 # 64 rows with adaptive rounds, 1 without; RESULTS.md "Thirty-first session").
-# A full batch runs full-length rounds. Off by default: on the H200, B3 (64 streams of 256 tokens)
-# served 27,559 and 25,096 tok/s with them against 26,681 and 27,494 without, alternating in one call
-# (RESULTS.md "Twenty-first session"): no gain shown there, and under steady arrivals that never fill
-# the batch every arrival would restart the short rounds and pay their host cost.
+# A full batch runs full-length rounds. On by default for an engine served online with multi-step
+# rounds (Config.adaptive_rounds None). On the simulated device (the engine's own host work, a
+# device costed like the H200's graphs), B3 at concurrency 64 served as much with them as without
+# (27.5-28.0k tok/s either way, TTFT p99 25-32 ms against 29-59), and requests arriving at Poisson
+# times (20-100 a second) got their first token sooner: TTFT median 13-18 ms against 20-34, at a
+# TPOT of -3% to +8% (RESULTS.md "Thirty-first session"). An earlier A/B on the H200 that showed no
+# gain ran a wave's last round 15 steps past its end (fixed since: LLMEngine._max_round_steps).
 ARRIVAL_ROUND_STEPS = 1
 MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
@@ -95,8 +98,9 @@ class Config:
     # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
     # Shape multi-step rounds around arrivals and ends of requests (ARRIVAL_ROUND_STEPS above
-    # says how, why, and why it is off by default). Needs num_scheduler_steps > 1.
-    adaptive_rounds: bool = False
+    # says how and why). None: on for an engine served online (AsyncLLM, the server's engine
+    # process) whose rounds are multi-step, off for LLM.generate. True needs num_scheduler_steps > 1.
+    adaptive_rounds: bool | None = None
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
     # Weight quantization method (layers/quantization's registry; vLLM's option). None: the
     # checkpoint's own `quantization_config`, or dense weights when it has none. A name
@@ -123,8 +127,8 @@ class Config:
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
                                                      or self.num_scheduler_steps < 1):
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
-        if not isinstance(self.adaptive_rounds, bool):
-            raise ValueError(f"adaptive_rounds must be a bool, got {self.adaptive_rounds!r}")
+        if self.adaptive_rounds is not None and not isinstance(self.adaptive_rounds, bool):
+            raise ValueError(f"adaptive_rounds must be a bool or None, got {self.adaptive_rounds!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:

@@ -70,6 +70,7 @@ class LLMEngine:
         # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
         # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
+        self._served_online = False
         tokenizer = self._load_tokenizer_in_background(source)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.tokenizer = tokenizer.result()
@@ -166,7 +167,10 @@ class LLMEngine:
     @property
     def adaptive_rounds(self) -> bool:
         """Whether rounds follow arrivals and ends of requests (Config.adaptive_rounds,
-        config.ARRIVAL_ROUND_STEPS; start-up refused it without multi-step rounds)."""
+        config.ARRIVAL_ROUND_STEPS; start-up refused True without multi-step rounds). By
+        default: where an engine with multi-step rounds is served online."""
+        if self.config.adaptive_rounds is None:
+            return self._served_online and self.num_scheduler_steps > 1
         return self.config.adaptive_rounds
 
     def _eos_token_ids(self) -> set[int]:
@@ -210,8 +214,9 @@ class LLMEngine:
     def serve_online(self, requests_arriving: Callable[[], bool]) -> None:
         """For a caller that adds requests while the engine runs (AsyncLLM, the engine process):
         `requests_arriving` says whether it holds requests not added yet (no round is chained
-        past them)."""
+        past them); adaptive rounds follow at their default (Config.adaptive_rounds)."""
         self.requests_arriving = requests_arriving
+        self._served_online = True
 
     def _new_request_id(self) -> str:
         request_id = str(next(self._request_counter))

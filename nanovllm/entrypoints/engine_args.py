@@ -37,7 +37,8 @@ ENGINE_ARG_HELP = {
     "async_scheduling": "launch each decode round before the host has seen the previous one's last "
                         "step; default: on with multi-step rounds on a GPU",
     "adaptive_rounds": "shorten multi-step rounds where requests arrive or reach max_tokens, so slots "
-                       "change hands sooner (serving); needs num_scheduler_steps > 1",
+                       "change hands sooner; default: on where the served engine's rounds are multi-step "
+                       "(one GPU), off for offline LLM.generate",
     "max_prefill_graph_tokens": "GPU: largest prefill or mixed step (tokens) replayed from a CUDA graph; "
                                 "0: those steps run eagerly",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
