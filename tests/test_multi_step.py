@@ -31,7 +31,9 @@ def engines(tiny_model):
     def make(steps, async_scheduling=None):
         return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
                    num_scheduler_steps=steps, max_num_seqs=len(PROMPTS), async_scheduling=async_scheduling)
-    return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "hf": hf}
+    served = make(STEPS, True)
+    served.llm_engine.serve_online(lambda: False)  # as AsyncLLM does: adaptive rounds at their default
+    return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "served": served, "hf": hf}
 
 
 def _run(llm, params, prompts=PROMPTS):
@@ -266,13 +268,16 @@ def _random_requests(rng: random.Random, count: int) -> list[tuple[list[int], Sa
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, seed):
+@pytest.mark.parametrize("engine_name", ["async", "served"])
+def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, seed, engine_name):
     """Requests arrive one or two per engine step and some are aborted on the way; every
-    request that is not aborted gets exactly the tokens (and logprobs) the single-step engine gives."""
+    request that is not aborted gets exactly the tokens (and logprobs) the single-step engine gives,
+    with full-length rounds and with the adaptive rounds of an engine served online."""
     rng = random.Random(seed)
     requests = _random_requests(rng, 16)
     expected = engines["single"].generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
-    engine = engines["async"].llm_engine
+    engine = engines[engine_name].llm_engine
+    assert engine.adaptive_rounds == (engine_name == "served")
     got, aborted, pending, ahead = {}, set(), list(enumerate(requests)), 0
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 2)):
