@@ -300,9 +300,9 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
-    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency, "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-            "num_prompts": args.num_prompts,
-            "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
+    return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",  # (JSON has no inf)
+            "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),
             "ttft_median_ms": round(statistics.median(ttft) * 1e3, 1) if ttft else None,

@@ -50,9 +50,6 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 #   is not clipped to while another sequence goes on: it runs synchronously (nothing can be chained
 #   onto it), so the device would wait for the host. A round is not chained past that end while a
 #   request waits (it takes the slot).
-# With or without them, no round runs past the step where its last sequence reaches max_tokens:
-# those steps' tokens would all be dropped (a wave of B3 that ended together ran 15 such steps of
-# 64 rows with adaptive rounds, 1 without; RESULTS.md "Thirty-first session").
 # A full batch runs full-length rounds. On by default for an engine served online with multi-step
 # rounds (Config.adaptive_rounds None). On the simulated device (the engine's own host work, a
 # device costed like the H200's graphs), B3 at concurrency 64 served as much with them as without
@@ -60,6 +57,9 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # times (20-100 a second) got their first token sooner: TTFT median 13-18 ms against 20-34, at a
 # TPOT of -3% to +8% (RESULTS.md "Thirty-first session"). An earlier A/B on the H200 that showed no
 # gain ran a wave's last round 15 steps past its end (fixed since: LLMEngine._max_round_steps).
+# With or without them, no round runs past the step where its last sequence reaches max_tokens:
+# those steps' tokens would all be dropped (a wave of B3 that ended together ran 15 such steps of
+# 64 rows with adaptive rounds, 1 without; RESULTS.md "Thirty-first session").
 ARRIVAL_ROUND_STEPS = 1
 MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
