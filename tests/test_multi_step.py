@@ -206,6 +206,37 @@ def test_async_rounds_are_launched_ahead_of_the_host(engines, monkeypatch):
     assert schedules["async"] < schedules["rounds"]
 
 
+def test_the_round_after_a_prefill_step_is_launched_before_its_outputs(tiny_model):
+    """Async scheduling after a step the host saw whole (here the prefill): the first decode
+    round is launched inside that step, before its outputs are built, unless the scheduler is
+    needed next (a request waiting to join, or requests arriving)."""
+    path, hf = tiny_model("qwen3")
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first_two = len(PROMPTS[0]) + len(PROMPTS[1])
+    for case in ("alone", "waiting", "arriving"):
+        # "waiting": the prefill step's token budget holds the first two prompts only
+        budget = {"waiting": first_two}.get(case, 512)
+        engine = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
+                     async_scheduling=True, max_num_batched_tokens=budget).llm_engine
+        engine.serve_online(lambda case=case: case == "arriving")
+        prompts = PROMPTS[:3] if case == "waiting" else PROMPTS[:2]
+        ids = [engine.add_request(None, prompt, greedy) for prompt in prompts]
+        outputs = {}
+        for out in engine.step():   # the prefill step
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        assert (engine._next_round is not None) == (case == "alone"), case
+        _drain_into(engine, outputs)
+        for request_id, prompt in zip(ids, prompts):
+            assert outputs[request_id] == hf_greedy(hf, prompt, greedy.max_tokens), case
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _drain_into(engine, outputs: dict) -> None:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+
+
 def test_newcomer_and_abort_while_a_round_is_in_flight(engines):
     engine = engines["async"].llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

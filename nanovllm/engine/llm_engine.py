@@ -356,6 +356,8 @@ class LLMEngine:
         num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
         output = self._postprocess(seqs, self.model_runner.run(seqs))
         advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
+        if self.async_scheduling:
+            self._next_round = self._launch_ahead()
         self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
         return self.output_processor.make_outputs(advanced)
 
@@ -420,6 +422,22 @@ class LLMEngine:
             seq.num_scheduled_tokens = 1
         self._count_round()
         return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
+
+    def _launch_ahead(self) -> DecodeRound | None:
+        """After a step the host has seen whole (a prefill or a plain step), launch the next decode
+        round before this step's outputs are built and handed on, so the device does not wait for
+        them; None when the next step needs the scheduler (requests arriving or waiting to join, a
+        prompt still prefilling, too few free blocks, one-step rounds)."""
+        seqs = list(self.scheduler.running)
+        if not seqs or self.requests_arriving() or self.scheduler.can_admit():
+            return None
+        num_steps = self._decode_steps(seqs)
+        if num_steps == 1:
+            return None
+        for seq in seqs:
+            seq.num_scheduled_tokens = 1
+        self._count_round()
+        return self.model_runner.launch_decode_round(seqs, num_steps)
 
     def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
         """Decode steps to run back to back this round (1: a plain step), after `num_pending`
