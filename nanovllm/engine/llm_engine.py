@@ -415,13 +415,7 @@ class LLMEngine:
         seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
         if not seqs or self.scheduler.can_admit(num_leaving=len(self.scheduler.running) - len(seqs)):
             return None
-        num_steps = self._decode_steps(seqs, num_pending=1)
-        if num_steps == 1:
-            return None
-        for seq in seqs:
-            seq.num_scheduled_tokens = 1
-        self._count_round()
-        return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
+        return self._launch_unscheduled_round(seqs, after=decode_round)
 
     def _launch_ahead(self) -> DecodeRound | None:
         """After a step the host has seen whole (a prefill or a plain step), launch the next decode
@@ -431,13 +425,18 @@ class LLMEngine:
         seqs = list(self.scheduler.running)
         if not seqs or self.requests_arriving() or self.scheduler.can_admit():
             return None
-        num_steps = self._decode_steps(seqs)
+        return self._launch_unscheduled_round(seqs)
+
+    def _launch_unscheduled_round(self, seqs: list[Sequence], after: DecodeRound | None = None) -> DecodeRound | None:
+        """A decode round of `seqs` launched without a scheduler pass (after `after`'s outstanding
+        token, if given): its steps reserved as _decode_steps says; None where that is one step."""
+        num_steps = self._decode_steps(seqs, num_pending=0 if after is None else 1)
         if num_steps == 1:
             return None
         for seq in seqs:
             seq.num_scheduled_tokens = 1
         self._count_round()
-        return self.model_runner.launch_decode_round(seqs, num_steps)
+        return self.model_runner.launch_decode_round(seqs, num_steps, after=after)
 
     def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
         """Decode steps to run back to back this round (1: a plain step), after `num_pending`
