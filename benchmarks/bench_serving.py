@@ -212,10 +212,10 @@ async def run_clients(url: str, args) -> tuple[list[dict], float]:
             finally:
                 free.put_nowait(conn)
         rng, due, tasks = random.Random(args.seed), time.perf_counter(), []
-        for i in range(args.num_prompts):
-            due += rng.expovariate(args.request_rate)
+        for i in range(args.num_prompts):   # the first at once, the others an exponential gap apart
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
             tasks.append(asyncio.create_task(arrival(i)))
+            due += rng.expovariate(args.request_rate)
         await asyncio.gather(*tasks)
     try:
         await send(conns[0], "Hello!", 4)   # warm-up: first-call costs stay out of the figures
@@ -301,7 +301,7 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
     out_tokens = sum(r["tokens"] for r in ok)
     return {"bench": "B3", "server_args": args.server_args, "client": args.client, "concurrency": args.concurrency,
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",  # (JSON has no inf)
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,  # None: closed loop
             "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "completed": len(ok), "errors": len(errors),
             "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(ok) / elapsed, 3),
             "output_tokens_per_s": round(out_tokens / elapsed, 1),

@@ -57,9 +57,8 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # times (20-100 a second) got their first token sooner: TTFT median 13-18 ms against 20-34, at a
 # TPOT of -3% to +8% (RESULTS.md "Thirty-first session"). An earlier A/B on the H200 that showed no
 # gain ran a wave's last round 15 steps past its end (fixed since: LLMEngine._max_round_steps).
-# With or without them, no round runs past the step where its last sequence reaches max_tokens:
-# those steps' tokens would all be dropped (a wave of B3 that ended together ran 15 such steps of
-# 64 rows with adaptive rounds, 1 without; RESULTS.md "Thirty-first session").
+# (With or without them, no round runs past the step where its last sequence reaches max_tokens:
+# a B3 wave that ended together ran 15 such steps of 64 rows with them before that rule, 1 without.)
 ARRIVAL_ROUND_STEPS = 1
 MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
@@ -90,12 +89,14 @@ class Config:
     tokenizer: str | None = None
     max_n: int = 64                           # cap on SamplingParams.n
     # Decode steps run back to back on the device per scheduling round (vLLM's multi-step
-    # scheduling): the host's scheduling and output work is paid once per round. None:
+    # scheduling): the host's scheduling and output work is paid once per round. No round runs
+    # past the step where its last sequence reaches max_tokens. None:
     # DEFAULT_GPU_SCHEDULER_STEPS on a GPU with one rank, 1 elsewhere.
     num_scheduler_steps: int | None = None
     # Launch each multi-step round before the host has seen the last step of the one before
-    # (vLLM's async scheduling), so the device does not wait for the round boundary's host
-    # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
+    # (vLLM's async scheduling), and on a GPU the first round after a prefill or plain step before
+    # that step's outputs are built, so the device does not wait for the host's work between them.
+    # None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
     # Shape multi-step rounds around arrivals and ends of requests (ARRIVAL_ROUND_STEPS above
     # says how and why). None: on for an engine served online (AsyncLLM, the server's engine

@@ -67,8 +67,8 @@ def test_by_default_rounds_are_full_length(tiny_model, monkeypatch, async_schedu
     steps = _record_steps(monkeypatch, llm.llm_engine)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-    full_rounds = (GREEDY.max_tokens - 1) // STEPS
-    assert steps == [1, *[STEPS] * full_rounds, GREEDY.max_tokens - 1 - full_rounds * STEPS]  # the prefill step first
+    full_rounds, last = divmod(GREEDY.max_tokens - 1, STEPS)  # decode tokens after the prefill step's
+    assert steps == [1, *[STEPS] * full_rounds, *([last] if last else [])]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

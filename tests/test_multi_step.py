@@ -33,6 +33,7 @@ def engines(tiny_model):
                    num_scheduler_steps=steps, max_num_seqs=len(PROMPTS), async_scheduling=async_scheduling)
     served = make(STEPS, True)
     served.llm_engine.serve_online(lambda: False)  # as AsyncLLM does: adaptive rounds at their default
+    served.llm_engine.model_runner.launches_overlap_host = True  # as a GPU's: rounds launched ahead of outputs
     return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "served": served, "hf": hf}
 
 
@@ -207,17 +208,20 @@ def test_async_rounds_are_launched_ahead_of_the_host(engines, monkeypatch):
 
 
 def test_the_round_after_a_prefill_step_is_launched_before_its_outputs(tiny_model):
-    """Async scheduling after a step the host saw whole (here the prefill): the first decode
-    round is launched inside that step, before its outputs are built, unless the scheduler is
-    needed next (a request waiting to join, or requests arriving)."""
+    """Async scheduling after a step the host saw whole (here the prefill), where launches overlap
+    the host (a GPU; set by hand here): the first decode round is launched inside that step, before
+    its outputs are built, unless the scheduler is needed next (a request waiting to join, or
+    requests arriving). On a CPU, where a launch computes the whole round, the outputs come first."""
     path, hf = tiny_model("qwen3")
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     first_two = len(PROMPTS[0]) + len(PROMPTS[1])
-    for case in ("alone", "waiting", "arriving"):
+    for case in ("alone", "waiting", "arriving", "cpu"):
         # "waiting": the prefill step's token budget holds the first two prompts only
         budget = {"waiting": first_two}.get(case, 512)
         engine = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
                      async_scheduling=True, max_num_batched_tokens=budget).llm_engine
+        assert not engine.model_runner.launches_overlap_host   # the CPU's
+        engine.model_runner.launches_overlap_host = case != "cpu"
         engine.serve_online(lambda case=case: case == "arriving")
         prompts = PROMPTS[:3] if case == "waiting" else PROMPTS[:2]
         ids = [engine.add_request(None, prompt, greedy) for prompt in prompts]

@@ -356,9 +356,9 @@ class LLMEngine:
         num_prefill = sum(s.num_scheduled_tokens for s in seqs) - num_decode
         output = self._postprocess(seqs, self.model_runner.run(seqs))
         advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
-        if self.async_scheduling:
-            self._next_round = self._launch_ahead()
         self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
+        if self.async_scheduling and self.model_runner.launches_overlap_host:
+            self._next_round = self._launch_ahead()
         return self.output_processor.make_outputs(advanced)
 
     def _drop_failed_grammars(self) -> list[RequestOutput]:
@@ -415,19 +415,22 @@ class LLMEngine:
         seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
         if not seqs or self.scheduler.can_admit(num_leaving=len(self.scheduler.running) - len(seqs)):
             return None
-        return self._launch_unscheduled_round(seqs, after=decode_round)
+        return self._launch_round_without_scheduler(seqs, after=decode_round)
 
     def _launch_ahead(self) -> DecodeRound | None:
         """After a step the host has seen whole (a prefill or a plain step), launch the next decode
-        round before this step's outputs are built and handed on, so the device does not wait for
-        them; None when the next step needs the scheduler (requests arriving or waiting to join, a
-        prompt still prefilling, too few free blocks, one-step rounds)."""
+        round of every running sequence before this step's outputs are built and handed on, so
+        the device does not wait for them (where launches overlap the host: a GPU). None when the
+        next step needs the scheduler: requests arriving, a sequence waiting while the batch has
+        room (Scheduler.can_admit), a prompt still prefilling, too few free blocks, or a round of
+        one step (every sequence one token from its end, say)."""
         seqs = list(self.scheduler.running)
         if not seqs or self.requests_arriving() or self.scheduler.can_admit():
             return None
-        return self._launch_unscheduled_round(seqs)
+        return self._launch_round_without_scheduler(seqs)
 
-    def _launch_unscheduled_round(self, seqs: list[Sequence], after: DecodeRound | None = None) -> DecodeRound | None:
+    def _launch_round_without_scheduler(self, seqs: list[Sequence],
+                                        after: DecodeRound | None = None) -> DecodeRound | None:
         """A decode round of `seqs` launched without a scheduler pass (after `after`'s outstanding
         token, if given): its steps reserved as _decode_steps says; None where that is one step."""
         num_steps = self._decode_steps(seqs, num_pending=0 if after is None else 1)
