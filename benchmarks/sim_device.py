@@ -141,7 +141,6 @@ class SimulatedModelRunner:
     def __init__(self, config, timeline: DeviceTimeline):
         self.num_kvcache_blocks = config.num_kvcache_blocks or DEFAULT_NUM_BLOCKS
         self.timeline = timeline
-        self.launches_overlap_host = True   # a round is queued on the timeline, as on a GPU's stream
 
     def run(self, seqs) -> ModelRunnerOutput:
         self.timeline.stats.launch(len(seqs), 1)

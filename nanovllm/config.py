@@ -50,15 +50,11 @@ DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 #   is not clipped to while another sequence goes on: it runs synchronously (nothing can be chained
 #   onto it), so the device would wait for the host. A round is not chained past that end while a
 #   request waits (it takes the slot).
-# A full batch runs full-length rounds. On by default for an engine served online with multi-step
-# rounds (Config.adaptive_rounds None). On the simulated device (the engine's own host work, a
-# device costed like the H200's graphs), B3 at concurrency 64 served as much with them as without
-# (27.5-28.0k tok/s either way, TTFT p99 25-32 ms against 29-59), and requests arriving at Poisson
-# times (20-100 a second) got their first token sooner: TTFT median 13-18 ms against 20-34, at a
-# TPOT of -3% to +8% (RESULTS.md "Thirty-first session"). An earlier A/B on the H200 that showed no
-# gain ran a wave's last round 15 steps past its end (fixed since: LLMEngine._max_round_steps).
-# (With or without them, no round runs past the step where its last sequence reaches max_tokens:
-# a B3 wave that ended together ran 15 such steps of 64 rows with them before that rule, 1 without.)
+# A full batch runs full-length rounds. Off by default: they trade TPOT and throughput for TTFT. On
+# the H200 (RESULTS.md "Thirty-first session"), B3 at concurrency 64 served the same with them; requests
+# arriving at Poisson times got their first token sooner (TTFT median 20.5 against 32.8 ms at 50 a
+# second, 28.2 against 35.0 at 100) but streamed slower (TPOT median 2.51 against 2.24 ms, 3.13 against
+# 2.71), and at 100 a second, where 64 in flight is the limit, the server completed 9% fewer requests.
 ARRIVAL_ROUND_STEPS = 1
 MIN_CLIPPED_ROUND_STEPS = 2
 # vLLM's compilation modes that this engine has: 0 runs eagerly, 3 torch.compiles the CPU
@@ -94,14 +90,12 @@ class Config:
     # DEFAULT_GPU_SCHEDULER_STEPS on a GPU with one rank, 1 elsewhere.
     num_scheduler_steps: int | None = None
     # Launch each multi-step round before the host has seen the last step of the one before
-    # (vLLM's async scheduling), and on a GPU the first round after a prefill or plain step before
-    # that step's outputs are built, so the device does not wait for the host's work between them.
-    # None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
+    # (vLLM's async scheduling), so the device does not wait for the round boundary's host
+    # work. None: on where multi-step rounds run on a GPU. Needs num_scheduler_steps > 1.
     async_scheduling: bool | None = None
     # Shape multi-step rounds around arrivals and ends of requests (ARRIVAL_ROUND_STEPS above
-    # says how and why). None: on for an engine served online (AsyncLLM, the server's engine
-    # process) whose rounds are multi-step, off for LLM.generate. True needs num_scheduler_steps > 1.
-    adaptive_rounds: bool | None = None
+    # says how, why, and why it is off by default). Needs num_scheduler_steps > 1.
+    adaptive_rounds: bool = False
     trust_remote_code: bool = False           # accepted for vLLM compatibility; nothing remote runs
     # Weight quantization method (layers/quantization's registry; vLLM's option). None: the
     # checkpoint's own `quantization_config`, or dense weights when it has none. A name
@@ -128,8 +122,8 @@ class Config:
         if self.num_scheduler_steps is not None and (not isinstance(self.num_scheduler_steps, int)
                                                      or self.num_scheduler_steps < 1):
             raise ValueError(f"num_scheduler_steps must be an int >= 1, got {self.num_scheduler_steps!r}")
-        if self.adaptive_rounds is not None and not isinstance(self.adaptive_rounds, bool):
-            raise ValueError(f"adaptive_rounds must be a bool or None, got {self.adaptive_rounds!r}")
+        if not isinstance(self.adaptive_rounds, bool):
+            raise ValueError(f"adaptive_rounds must be a bool, got {self.adaptive_rounds!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:

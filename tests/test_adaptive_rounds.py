@@ -1,7 +1,6 @@
 """Adaptive rounds (Config.adaptive_rounds; config.ARRIVAL_ROUND_STEPS says why).
 
-With adaptive_rounds (by default on where an engine with multi-step rounds is served online,
-off for LLM.generate) an engine starts short decode rounds after each request it
+With adaptive_rounds (off by default) an engine starts short decode rounds after each request it
 adds while its batch has room, doubling each round up to num_scheduler_steps, so a request that
 comes a little later joins within a few steps instead of waiting out a full round; and it ends a
 round where one of its sequences reaches max_tokens. A full batch runs full-length rounds; by
@@ -192,44 +191,15 @@ def test_a_waiting_request_takes_the_slot_a_clipped_round_frees(tiny_model, asyn
         assert outputs[request_id] == hf_greedy(hf, prompt, m)
 
 
-def test_the_server_flags_turn_adaptive_rounds_on_and_off():
+def test_the_server_flag_turns_adaptive_rounds_on():
     from nanovllm.entrypoints.engine_args import engine_kwargs
     from nanovllm.entrypoints.openai.api_server import add_cli_args
     parse = lambda argv: add_cli_args(argparse.ArgumentParser()).parse_args(argv)  # noqa: E731
     assert engine_kwargs(parse(["m", "--adaptive-rounds"]))["adaptive_rounds"] is True
-    assert engine_kwargs(parse(["m", "--no-adaptive-rounds"]))["adaptive_rounds"] is False
-    assert "adaptive_rounds" not in engine_kwargs(parse(["m"]))  # Config's default: by how the engine runs
+    assert "adaptive_rounds" not in engine_kwargs(parse(["m"]))  # Config's default: off
 
 
-@pytest.mark.parametrize("num_scheduler_steps", [STEPS, 1])
-def test_by_default_an_engine_served_online_with_multi_step_rounds_adapts_them(tiny_model, num_scheduler_steps):
-    """Config.adaptive_rounds None: off for LLM.generate, on once the engine is served online
-    (AsyncLLM and the engine process call serve_online) if its rounds are multi-step; an explicit
-    False keeps them full-length online too."""
-    path, _ = tiny_model("qwen3")
-    engine = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
-                 num_scheduler_steps=num_scheduler_steps).llm_engine
-    assert engine.config.adaptive_rounds is None and not engine.adaptive_rounds
-    engine.serve_online(lambda: False)
-    assert engine.adaptive_rounds == (num_scheduler_steps > 1)
-    off = _llm(path, adaptive_rounds=False, num_scheduler_steps=num_scheduler_steps).llm_engine
-    off.serve_online(lambda: False)
-    assert not off.adaptive_rounds
-
-
-def test_an_async_llm_with_multi_step_rounds_adapts_them(tiny_model):
-    """The server's engine in a thread (AsyncLLM): its rounds after an arrival start short."""
-    from nanovllm.engine.async_llm import AsyncLLM
-    path, _ = tiny_model("qwen3")
-    llm = AsyncLLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
-                   num_scheduler_steps=STEPS, log_stats_interval=0)
-    try:
-        assert llm.engine.adaptive_rounds
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize("value", [0, 1, "yes"])
+@pytest.mark.parametrize("value", [0, 1, "yes", None])
 def test_adaptive_rounds_is_checked(value):
     with pytest.raises(ValueError, match="adaptive_rounds"):
         Config(model="m", adaptive_rounds=value)

@@ -31,10 +31,10 @@ def engines(tiny_model):
     def make(steps, async_scheduling=None):
         return LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128,
                    num_scheduler_steps=steps, max_num_seqs=len(PROMPTS), async_scheduling=async_scheduling)
-    served = make(STEPS, True)
-    served.llm_engine.serve_online(lambda: False)  # as AsyncLLM does: adaptive rounds at their default
-    served.llm_engine.model_runner.launches_overlap_host = True  # as a GPU's: rounds launched ahead of outputs
-    return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "served": served, "hf": hf}
+    adaptive = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
+                   max_num_seqs=len(PROMPTS), async_scheduling=True, adaptive_rounds=True)
+    return {"single": make(1), "rounds": make(STEPS, False), "async": make(STEPS, True), "adaptive": adaptive,
+            "hf": hf}
 
 
 def _run(llm, params, prompts=PROMPTS):
@@ -207,40 +207,6 @@ def test_async_rounds_are_launched_ahead_of_the_host(engines, monkeypatch):
     assert schedules["async"] < schedules["rounds"]
 
 
-def test_the_round_after_a_prefill_step_is_launched_before_its_outputs(tiny_model):
-    """Async scheduling after a step the host saw whole (here the prefill), where launches overlap
-    the host (a GPU; set by hand here): the first decode round is launched inside that step, before
-    its outputs are built, unless the scheduler is needed next (a request waiting to join, or
-    requests arriving). On a CPU, where a launch computes the whole round, the outputs come first."""
-    path, hf = tiny_model("qwen3")
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    first_two = len(PROMPTS[0]) + len(PROMPTS[1])
-    for case in ("alone", "waiting", "arriving", "cpu"):
-        # "waiting": the prefill step's token budget holds the first two prompts only
-        budget = {"waiting": first_two}.get(case, 512)
-        engine = LLM(path, dtype="float32", skip_tokenizer_init=True, num_kvcache_blocks=128, num_scheduler_steps=STEPS,
-                     async_scheduling=True, max_num_batched_tokens=budget).llm_engine
-        assert not engine.model_runner.launches_overlap_host   # the CPU's
-        engine.model_runner.launches_overlap_host = case != "cpu"
-        engine.serve_online(lambda case=case: case == "arriving")
-        prompts = PROMPTS[:3] if case == "waiting" else PROMPTS[:2]
-        ids = [engine.add_request(None, prompt, greedy) for prompt in prompts]
-        outputs = {}
-        for out in engine.step():   # the prefill step
-            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-        assert (engine._next_round is not None) == (case == "alone"), case
-        _drain_into(engine, outputs)
-        for request_id, prompt in zip(ids, prompts):
-            assert outputs[request_id] == hf_greedy(hf, prompt, greedy.max_tokens), case
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-
-
-def _drain_into(engine, outputs: dict) -> None:
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-
-
 def test_newcomer_and_abort_while_a_round_is_in_flight(engines):
     engine = engines["async"].llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -303,16 +269,16 @@ def _random_requests(rng: random.Random, count: int) -> list[tuple[list[int], Sa
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("engine_name", ["async", "served"])
+@pytest.mark.parametrize("engine_name", ["async", "adaptive"])
 def test_random_workload_with_arrivals_and_aborts_equals_single_steps(engines, seed, engine_name):
     """Requests arrive one or two per engine step and some are aborted on the way; every
     request that is not aborted gets exactly the tokens (and logprobs) the single-step engine gives,
-    with full-length rounds and with the adaptive rounds of an engine served online."""
+    with full-length rounds and with adaptive rounds (short rounds after arrivals, ends at max_tokens)."""
     rng = random.Random(seed)
     requests = _random_requests(rng, 16)
     expected = engines["single"].generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
     engine = engines[engine_name].llm_engine
-    assert engine.adaptive_rounds == (engine_name == "served")
+    assert engine.adaptive_rounds == (engine_name == "adaptive")
     got, aborted, pending, ahead = {}, set(), list(enumerate(requests)), 0
     while pending or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 2)):

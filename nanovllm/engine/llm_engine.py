@@ -70,7 +70,6 @@ class LLMEngine:
         # Set by `serve_online`, for a caller that queues requests outside the engine (AsyncLLM):
         # while it returns True no round is chained, so newcomers join at the next round boundary.
         self.requests_arriving: Callable[[], bool] = lambda: False
-        self._served_online = False
         tokenizer = self._load_tokenizer_in_background(source)
         self.model_runner = make_model_runner(self.config, source, self.model_config, self.max_model_len)
         self.tokenizer = tokenizer.result()
@@ -167,10 +166,7 @@ class LLMEngine:
     @property
     def adaptive_rounds(self) -> bool:
         """Whether rounds follow arrivals and ends of requests (Config.adaptive_rounds,
-        config.ARRIVAL_ROUND_STEPS; start-up refused True without multi-step rounds). By
-        default: where an engine with multi-step rounds is served online."""
-        if self.config.adaptive_rounds is None:
-            return self._served_online and self.num_scheduler_steps > 1
+        config.ARRIVAL_ROUND_STEPS; start-up refused it without multi-step rounds)."""
         return self.config.adaptive_rounds
 
     def _eos_token_ids(self) -> set[int]:
@@ -214,9 +210,8 @@ class LLMEngine:
     def serve_online(self, requests_arriving: Callable[[], bool]) -> None:
         """For a caller that adds requests while the engine runs (AsyncLLM, the engine process):
         `requests_arriving` says whether it holds requests not added yet (no round is chained
-        past them); adaptive rounds follow at their default (Config.adaptive_rounds)."""
+        past them)."""
         self.requests_arriving = requests_arriving
-        self._served_online = True
 
     def _new_request_id(self) -> str:
         request_id = str(next(self._request_counter))
@@ -357,8 +352,6 @@ class LLMEngine:
         output = self._postprocess(seqs, self.model_runner.run(seqs))
         advanced = [seq for seq, token in zip(seqs, output.sampled_token_ids) if token is not None]
         self.last_step_stats = (num_prefill, num_decode, time.perf_counter() - start)
-        if self.async_scheduling and self.model_runner.launches_overlap_host:
-            self._next_round = self._launch_ahead()
         return self.output_processor.make_outputs(advanced)
 
     def _drop_failed_grammars(self) -> list[RequestOutput]:
@@ -415,31 +408,13 @@ class LLMEngine:
         seqs = [s for s in self.scheduler.running if not self.output_processor.reaches_length(s, 1)]
         if not seqs or self.scheduler.can_admit(num_leaving=len(self.scheduler.running) - len(seqs)):
             return None
-        return self._launch_round_without_scheduler(seqs, after=decode_round)
-
-    def _launch_ahead(self) -> DecodeRound | None:
-        """After a step the host has seen whole (a prefill or a plain step), launch the next decode
-        round of every running sequence before this step's outputs are built and handed on, so
-        the device does not wait for them (where launches overlap the host: a GPU). None when the
-        next step needs the scheduler: requests arriving, a sequence waiting while the batch has
-        room (Scheduler.can_admit), a prompt still prefilling, too few free blocks, or a round of
-        one step (every sequence one token from its end, say)."""
-        seqs = list(self.scheduler.running)
-        if not seqs or self.requests_arriving() or self.scheduler.can_admit():
-            return None
-        return self._launch_round_without_scheduler(seqs)
-
-    def _launch_round_without_scheduler(self, seqs: list[Sequence],
-                                        after: DecodeRound | None = None) -> DecodeRound | None:
-        """A decode round of `seqs` launched without a scheduler pass (after `after`'s outstanding
-        token, if given): its steps reserved as _decode_steps says; None where that is one step."""
-        num_steps = self._decode_steps(seqs, num_pending=0 if after is None else 1)
+        num_steps = self._decode_steps(seqs, num_pending=1)
         if num_steps == 1:
             return None
         for seq in seqs:
             seq.num_scheduled_tokens = 1
         self._count_round()
-        return self.model_runner.launch_decode_round(seqs, num_steps, after=after)
+        return self.model_runner.launch_decode_round(seqs, num_steps, after=decode_round)
 
     def _decode_steps(self, seqs: list[Sequence], num_pending: int = 0) -> int:
         """Decode steps to run back to back this round (1: a plain step), after `num_pending`

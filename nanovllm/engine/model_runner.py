@@ -65,9 +65,6 @@ class ModelRunner:
         # (whose decode tile waits on memory, not on its own work) it ran 0.7% slower
         # (benchmarks/RESULTS.md "Ninth session: decode rows longest context first").
         self.rows_longest_first = kv_quant.is_fp8(self.kv_cache_dtype)
-        # Whether a launched decode round runs on the device while the host goes on (a GPU's
-        # stream); on a CPU a launch computes the whole round before it returns.
-        self.launches_overlap_host = self.device.type == "cuda"
         self.model = self._load_model(source)
         if kv_quant.is_fp8(self.kv_cache_dtype):
             self._set_kv_scales()

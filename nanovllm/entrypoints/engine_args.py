@@ -35,11 +35,9 @@ ENGINE_ARG_HELP = {
     "gpu_memory_utilization": "GPU: fraction of device memory the engine may use",
     "num_scheduler_steps": "decode steps per scheduling round; default: 16 on one GPU, else 1",
     "async_scheduling": "launch each decode round before the host has seen the previous one's last "
-                        "step (on a GPU, the first after a prefill step before its outputs are built); "
-                        "default: on with multi-step rounds on a GPU",
+                        "step; default: on with multi-step rounds on a GPU",
     "adaptive_rounds": "shorten multi-step rounds where requests arrive or reach max_tokens, so slots "
-                       "change hands sooner; default: on where the served engine's rounds are multi-step "
-                       "(one GPU's default, or --num-scheduler-steps > 1), off for offline LLM.generate",
+                       "change hands sooner (serving); needs num_scheduler_steps > 1",
     "max_prefill_graph_tokens": "GPU: largest prefill or mixed step (tokens) replayed from a CUDA graph; "
                                 "0: those steps run eagerly",
     "tokenizer": "an HF tokenizer directory (default: the model's own)",
