@@ -95,7 +95,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
-TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "delivers", "stream_ends", "idle")  # sim_device's events
+# sim_device's timed events
+TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "delivers", "stream_ends", "idle")
 
 
 def sim_stats_path() -> str:
@@ -317,13 +318,17 @@ def summarize(results: list[dict], elapsed: float, server_cpu: tuple[float, floa
             # of the server's own process, its main thread: the event loop (HTTP, templates, streams)
             "event_loop_cpu_ms_per_token": per_token_ms(server_cpu[2], out_tokens) if server_cpu else None,
             # how often the event loop blocked (I/O waits, the GIL) and was forced off its core
-            "event_loop_voluntary_switches_per_request": round(server_cpu[3] / len(ok), 2) if server_cpu and ok else None,
-            "event_loop_forced_switches_per_request": round(server_cpu[4] / len(ok), 2) if server_cpu and ok else None,
+            "event_loop_voluntary_switches_per_request": per_request(server_cpu[3], len(ok)) if server_cpu else None,
+            "event_loop_forced_switches_per_request": per_request(server_cpu[4], len(ok)) if server_cpu else None,
             "first_errors": errors[:3]}
 
 
 def per_token_ms(cpu_s: float, out_tokens: int) -> float | None:
     return round(cpu_s * 1e3 / out_tokens, 4) if out_tokens else None
+
+
+def per_request(count: int, num_requests: int) -> float | None:
+    return round(count / num_requests, 2) if num_requests else None
 
 
 def offline_tokens_per_s(args) -> tuple[float, float, dict | None]:
