@@ -95,8 +95,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port[0]}"
 
 
-# sim_device's timed events
-TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "delivers", "stream_ends", "idle")
+# sim_device's timed events, and the client's (when it sent each request and read its stream's end)
+TIMELINE_LOGS = ("launches", "arrivals", "submits", "finishes", "delivers", "stream_ends", "receives", "idle",
+                 "client_sends", "client_ends")
 
 
 def sim_stats_path() -> str:
@@ -148,7 +149,8 @@ class Timing:
         if not self.token_times:
             return {"error": "no tokens"}
         tpot = (self.token_times[-1] - self.token_times[0]) / (tokens - 1) if tokens > 1 else None
-        return {"ttft": self.token_times[0] - self.start, "tpot": tpot, "tokens": tokens}
+        return {"ttft": self.token_times[0] - self.start, "tpot": tpot, "tokens": tokens,
+                "sent": self.start, "ended": time.perf_counter()}   # (perf_counter: the server's clock too)
 
 
 async def one_request_httpx(http, question: str, max_tokens: int) -> dict:
@@ -418,6 +420,9 @@ def main() -> None:
     sim_stats = read_sim_stats(args)
     if sim_stats is not None:   # the warm-up request's steps included
         summary["sim_device"] = sim_stats
+        ok = [r for r in results if "error" not in r]
+        sim_stats["client_sends"] = sorted(round(r["sent"], 4) for r in ok)
+        sim_stats["client_ends"] = sorted(round(r["ended"], 4) for r in ok)
         if args.simulate_step_ms is not None:   # (the real device's busy time is not known)
             sim_stats["busy_fraction"] = round(sim_stats["busy_s"] / elapsed, 3)
     if args.offline_baseline:
@@ -454,7 +459,7 @@ def main() -> None:
                   f"step{busy}; decode steps by rows {stats['decode_steps_by_rows']}")
     if args.sim_timeline:
         with open(args.sim_timeline, "w") as f:
-            json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS}
+            json.dump({k: {log: summary[k][log] for log in TIMELINE_LOGS if log in summary[k]}
                        for k in ("sim_device", "offline_sim_device") if k in summary}, f)
     for key in ("sim_device", "offline_sim_device"):
         for log in TIMELINE_LOGS:

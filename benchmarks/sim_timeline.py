@@ -12,8 +12,10 @@ while requests arrive").
 
 --waves folds each wave boundary into one line instead: from the moment the event loop took a
 step's finished outputs (a wave's end, at least --wave-size of them) to the last of those streams
-ended, to the first and last command it queued after them, and to the engine's next launch of
-more than one row (the next wave's prefill); then the mean of each over the waves.
+ended, to when the client read the last end and sent its first and last next request (where
+bench_serving recorded them), to the first and last POST the server's routes took, to the first
+and last command the event loop queued after them and the engine took, and to the engine's next
+launch of more than one row (the next wave's prefill); then the mean of each over the waves.
 """
 import argparse
 import json
@@ -27,6 +29,9 @@ def events(timeline: dict) -> list[tuple[float, str]]:
                   + [(t, f"finished {n}") for t, n in timeline["finishes"]]
                   + [(t, f"delivered {n} finished") for t, n in timeline.get("delivers", ())]
                   + [(t, "stream end") for t in timeline.get("stream_ends", ())]
+                  + [(t, "received") for t in timeline.get("receives", ())]
+                  + [(t, "client sent") for t in timeline.get("client_sends", ())]
+                  + [(t, "client read end") for t in timeline.get("client_ends", ())]
                   + [(t, f"idle {gap * 1e3:.1f} ms") for t, gap in timeline["idle"]])
 
 
@@ -38,13 +43,23 @@ def wave_turnarounds(timeline: dict, wave_size: int) -> list[dict[str, float]]:
         if finished < wave_size or not launches:
             continue
         nxt = launches[0]
-        ends = [t for t in timeline["stream_ends"] if delivered <= t < nxt]
-        submits = [t for t in timeline["submits"] if delivered < t < nxt]
+        def between(log):
+            return [t for t in timeline.get(log, ()) if delivered <= t < nxt]
+        ends, submits = between("stream_ends"), between("submits")
         if not ends or not submits:
             continue
-        waves.append({name: round((t - delivered) * 1e3, 2) for name, t in
-                      (("streams ended", max(ends)), ("first submit", min(submits)),
-                       ("last submit", max(submits)), ("next launch", nxt))})
+        marks = [("streams ended", max(ends))]
+        if between("client_ends"):   # the client's side, where bench_serving recorded it
+            marks += [("client read last end", max(between("client_ends"))),
+                      ("client first send", min(between("client_sends"))),
+                      ("client last send", max(between("client_sends")))]
+        if between("receives"):
+            marks += [("first received", min(between("receives"))), ("last received", max(between("receives")))]
+        marks += [("first submit", min(submits)), ("last submit", max(submits))]
+        if between("arrivals"):   # the engine thread's adds
+            marks += [("first add", min(between("arrivals"))), ("last add", max(between("arrivals")))]
+        marks.append(("next launch", nxt))
+        waves.append({name: round((t - delivered) * 1e3, 2) for name, t in marks})
     return waves
 
 
