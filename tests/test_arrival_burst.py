@@ -1,7 +1,8 @@
 """A burst of arrivals at an idle engine joins one prefill step (engine_core.ARRIVAL_GAP_S).
 
 `next_command` on a plain queue: without a burst it never waits; within one it waits up to the gap
-for the next command, and never past the burst's end. Both serving loops (the engine thread's and the
+for the next command (polling: a command that comes is taken at once, not at the gap's end), and
+never past the burst's end. Both serving loops (the engine thread's and the
 engine process's, on stand-ins for their engines): idle, they take a command that comes 0.2 s after the
 first into the same batch; busy, they wait for nothing; a stop that comes within a burst stops them at
 once. Through AsyncLLM in thread mode with a tiny random Qwen3 model: three requests sent 0.5 s apart
@@ -54,7 +55,9 @@ def test_no_burst_takes_only_what_is_queued(wide_gap):
 def test_a_burst_waits_for_the_next_command_within_the_gap(wide_gap):
     commands = queue.Queue()
     _put_later(commands, "late")
+    start = time.monotonic()
     assert next_command(commands, time.monotonic() + WIDE_WINDOW_S) == "late"
+    assert time.monotonic() - start < WIDE_GAP_S / 2   # taken at the next poll, not at the gap's end
 
 
 def test_a_burst_ends_at_the_gap(monkeypatch):

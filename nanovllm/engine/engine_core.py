@@ -43,6 +43,13 @@ IDLE_POLL_S = 0.5
 # graphs of ~10 ms). A lone request waits ARRIVAL_GAP_S more.
 ARRIVAL_GAP_S = 0.001
 ARRIVAL_WINDOW_S = 0.02
+# How often a burst's loop looks at the queue. A blocking get() woke the engine's thread at every
+# command, and in thread mode each wake-up takes the GIL from the event loop that is still queueing
+# the burst's other requests. On an H200's 16-core host (B3, two alternating pairs) the blocking form
+# split 4 of 8 bursts into two prefill steps and the polled one none: TTFT median 37-38 against
+# 40-51 ms, output 28,962-29,007 against 27,928-28,959 tok/s (benchmarks/RESULTS.md, "Thirty-second
+# session").
+BURST_POLL_S = 0.0005
 STOP = ("stop",)   # the command that ends the loop
 GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
 
@@ -104,9 +111,17 @@ def burst_deadline(idle: bool) -> float | None:
 def next_command(commands: queue.Queue, burst_ends: float | None) -> object:
     """The next queued command: one already there, or, while an idle engine's burst of arrivals
     lasts (until `burst_ends`, from `burst_deadline`; None: no burst), one within ARRIVAL_GAP_S.
-    Raises queue.Empty."""
-    timeout = 0.0 if burst_ends is None else min(ARRIVAL_GAP_S, burst_ends - time.monotonic())
-    return commands.get(timeout=timeout) if timeout > 0 else commands.get_nowait()
+    Within a burst the queue is polled every BURST_POLL_S rather than waited on, so that the
+    engine's thread wakes once per poll, not once per command. Raises queue.Empty."""
+    gap_ends = None if burst_ends is None else min(time.monotonic() + ARRIVAL_GAP_S, burst_ends)
+    while True:
+        try:
+            return commands.get_nowait()
+        except queue.Empty:
+            now = time.monotonic()
+            if gap_ends is None or now >= gap_ends:
+                raise
+        time.sleep(min(BURST_POLL_S, gap_ends - now))
 
 
 def step_engine(engine, throughput: "ThroughputLog") -> list[RequestOutput]:
