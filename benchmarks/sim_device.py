@@ -252,6 +252,7 @@ def _time_engine_events() -> None:
             await stream_events(send, stream)
         finally:
             install.timeline.stats.stream_ends.append(round(time.perf_counter(), 4))
+
     async def timed_serve_generation(*args):
         install.timeline.stats.receives.append(round(time.perf_counter(), 4))
         await serve_generation(*args)

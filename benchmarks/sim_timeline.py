@@ -22,6 +22,10 @@ import json
 import statistics
 
 
+# events of one request each, folded into one line per run of them
+FOLDED = ("add", "submit", "stream end", "received", "client sent", "client read end")
+
+
 def events(timeline: dict) -> list[tuple[float, str]]:
     return sorted([(t, f"launch rows {rows:3d} steps {steps:2d}") for t, rows, steps in timeline["launches"]]
                   + [(t, "add") for t in timeline["arrivals"]]
@@ -70,7 +74,9 @@ def print_waves(timeline: dict, wave_size: int) -> None:
                          "come from a thread-mode server)")
     for wave in waves:
         print("  ".join(f"{name} {ms:6.2f}" for name, ms in wave.items()))
-    print("mean " + "  ".join(f"{name} {statistics.mean(w[name] for w in waves):6.2f}" for name in waves[0]))
+    names = list(dict.fromkeys(name for wave in waves for name in wave))   # a wave may lack the client's side
+    print("mean " + "  ".join(f"{name} {statistics.mean(w[name] for w in waves if name in w):6.2f}"
+                              for name in names))
 
 
 def main() -> None:
@@ -92,7 +98,7 @@ def main() -> None:
         ms = (t - start) * 1e3
         if not args.from_ms <= ms <= args.to_ms:
             continue
-        if runs and what in ("add", "submit", "stream end") and runs[-1][2] == what:
+        if runs and what in FOLDED and runs[-1][2] == what:
             runs[-1][1], runs[-1][3] = ms, runs[-1][3] + 1
         else:
             runs.append([ms, ms, what, 1])
