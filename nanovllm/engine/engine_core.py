@@ -45,10 +45,10 @@ ARRIVAL_GAP_S = 0.001
 ARRIVAL_WINDOW_S = 0.02
 # How often a burst's loop looks at the queue. A blocking get() woke the engine's thread at every
 # command, and in thread mode each wake-up takes the GIL from the event loop that is still queueing
-# the burst's other requests. On an H200's 16-core host (B3, two alternating pairs) the blocking form
-# split 4 of 8 bursts into two prefill steps and the polled one none: TTFT median 37-38 against
-# 40-51 ms, output 28,962-29,007 against 27,928-28,959 tok/s (benchmarks/RESULTS.md, "Thirty-second
-# session").
+# the burst's other requests. On an H200's 16-core host (B3, seven runs on one machine) the blocking
+# form split 4 of 12 bursts into two prefill steps and the polled one 1 of 16; TTFT median 30-41
+# against 40-51 ms, output 28,962-30,039 against 27,928-29,308 tok/s (benchmarks/RESULTS.md,
+# "Thirty-second session").
 BURST_POLL_S = 0.0005
 STOP = ("stop",)   # the command that ends the loop
 GONE = ("gone",)   # queued by a frontend's reader thread when its pipe ends (the loop stops after the last)
