@@ -19,6 +19,7 @@ The shapes are Qwen3-0.6B's decode (16 query heads, 8 KV heads, head_dim 128, bl
     python benchmarks/attn_sass.py --prefill --tiles 256/64/8/3,128/64/4/3   # prefill: gather vs TMA kernel
     python benchmarks/attn_sass.py --kv auto,fp8 --fused-rope     # decode tiles with the RoPE fused in
     python benchmarks/attn_sass.py --kv fp8 --fma [--fused-rope]  # triton_decode_fma's kernel
+    python benchmarks/attn_sass.py --kv fp8,fp8_e5m2 --gluon --qpk 4 --tiles 16,32   # gluon_decode_mma's
 
 `--prefill` compiles the bf16 prefill tiles instead (BLOCK_M/BLOCK_N/warps/stages, default the engine's large
 tile), each for `triton_attn`'s gather kernel (pages of 16) and for `triton_prefill_tma`'s (pages of 64), and
@@ -99,6 +100,25 @@ def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
                   FP8_MAX=448.0 if fp8 else 0.0, PDL=True, stride_vd=1)
     return _compile(fma.decode_fma_kernel, consts, _attention_pointers(kv), ALIGNED[:-1], ta.DECODE_FMA_NUM_WARPS,
                     ta.DECODE_FMA_NUM_STAGES, arch)
+
+
+def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None = None, head_dim: int = HEAD_DIM,
+                       split: bool = False):
+    """`gluon_decode_mma`'s kernel (the cache passed as int32 words, as `triton_attn._decode_mma` passes it)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from nanovllm.kernels import gluon_decode_mma as gdm
+    fn = gdm.decode_mma_kernel
+    consts = dict(QPK=qpk, BLOCK_N=block_n or ta.DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=PAGE_SIZE,
+                  E5M2=kv == "fp8_e5m2", IS_SPLIT=split, PDL=True)
+    pointers = dict(_attention_pointers(kv), k_cache_ptr="*i32", v_cache_ptr="*i32")
+    names = list(fn.arg_names)
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
+                 for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ALIGNED[:-1] or pointers.get(n, "").startswith("*")}
+    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=1))
 
 
 def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK,
@@ -196,15 +216,27 @@ def shared_traffic(loop: collections.Counter, warps: int) -> tuple[float, float,
     return kb(SHARED_READ_BYTES), kb(SHARED_WRITE_BYTES), unknown
 
 
-def first_loop(sass: str) -> list[str]:
-    """Opcodes (with modifiers) from the target of the first backward branch to that branch."""
+# opcodes that read or write shared memory (or wait at a barrier for it)
+SHARED_OPS = ("LDS", "STS", "LDSM", "STSM", "LDGSTS", "BAR")
+
+
+def loops(sass: str) -> list[list[str]]:
+    """Each loop's opcodes (with modifiers), from the target of a backward branch to that branch, in
+    the order the branches appear."""
     rows = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
             re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*([^;]*);", sass)]
+    found = []
     for addr, op, rest in rows:
         target = re.match(r"(0x[0-9a-f]+)", rest)
         if op == "BRA" and target and int(target.group(1), 16) < addr:
-            return [o for a, o, _ in rows if int(target.group(1), 16) <= a <= addr]
-    return []
+            found.append([o for a, o, _ in rows if int(target.group(1), 16) <= a <= addr])
+    return found
+
+
+def first_loop(sass: str) -> list[str]:
+    """Opcodes (with modifiers) from the target of the first backward branch to that branch."""
+    found = loops(sass)
+    return found[0] if found else []
 
 
 def main() -> None:
@@ -224,6 +256,10 @@ def main() -> None:
     ap.add_argument("--keep", metavar="DIR", help="also write each variant's TTGIR, PTX, SASS there")
     ap.add_argument("--fused-rope", action="store_true", help="decode tiles with DECODE_FUSED_ROPE's q/k norm + RoPE")
     ap.add_argument("--fma", action="store_true", help="triton_decode_fma's kernel instead of the decode tile")
+    ap.add_argument("--gluon", action="store_true",
+                    help="gluon_decode_mma's kernel instead (--tiles: its BLOCK_N values; --split: its split variant)")
+    ap.add_argument("--split", action="store_true", help="with --gluon: the split-KV variant")
+    ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="with --gluon: the head size")
     ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
     ap.add_argument("--check-warp-specialize", action="store_true",
                     help="with --prefill: also compile each TMA tile's loop warp-specialized and compare")
@@ -233,6 +269,21 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_{args.arch}")
     if args.prefill:
         print_prefill(args.tiles, args.arch, args.qpk, args.keep, args.check_warp_specialize)
+        return
+    if args.gluon:
+        for kv in args.kv.split(","):
+            for block_n in [int(t) for t in args.tiles.split(",") if t] or [ta.DECODE_MMA_BLOCK_N]:
+                name = f"decode_mma_{kv}_q{args.qpk}_d{args.head_dim}_n{block_n}{'_split' if args.split else ''}"
+                kernel = compile_decode_mma(kv, args.arch, args.qpk, block_n, args.head_dim, args.split)
+                sass, usage = sass_of(kernel, args.keep, name)
+                regs = re.search(r"REG:(\d+)", usage)
+                spills = len(re.findall(r"\bSTL\b", sass))
+                for i, loop in enumerate(loops(sass)):
+                    ops = collections.Counter(loop)
+                    shared = sum(n for op, n in ops.items() if op.startswith(SHARED_OPS))
+                    print(f"{name}: registers {regs.group(1) if regs else '?'}, spill stores {spills}, "
+                          f"loop {i + 1}: {len(loop)} instructions, {shared} through shared memory")
+                    print("   " + " ".join(f"{op}:{n}" for op, n in ops.most_common(14)))
         return
     if args.fma:
         for kv in args.kv.split(","):
