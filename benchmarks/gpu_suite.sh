@@ -35,7 +35,8 @@ step bench_b1_attention "$PYTHON" benchmarks/bench_b1_attention.py --variants ba
 step bench_long_context "$PYTHON" benchmarks/bench_long_context.py
 # fp8 KV cache and fp8 weights: kernels natively against the torch reference, the engine, B1
 step fp8_tests "$PYTHON" -m pytest -q -p no:cacheprovider -n 8 tests/test_fp8_kv_kernels.py tests/test_fp8_gpu.py \
-    tests/test_decode_tiles.py tests/test_batch_gemm.py tests/test_fp8_weights.py tests/test_fp8_fused_quant.py
+    tests/test_decode_tiles.py tests/test_batch_gemm.py tests/test_fp8_weights.py tests/test_fp8_fused_quant.py \
+    tests/test_gluon_decode_mma.py
 step bench_offline_fp8 "$PYTHON" benchmarks/bench_offline.py --kv-cache-dtype fp8
 if [[ $("$PYTHON" -c 'import torch; print(torch.cuda.device_count())') -ge 2 ]]; then
     step test_tp_gpu "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_tp_gpu.py

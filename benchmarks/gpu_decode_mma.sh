@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# gluon_decode_mma (fp8 decode attention, K and V fed from registers to the tensor cores) on one GPU:
+# its tests natively, B1's fp8 decode attention replayed for the Qwen3-0.6B and Qwen3-8B shapes (the
+# Gluon kernel's tile and split variants against the kernels it replaces: triton_decode_fma for groups
+# of 2, the fp8 decode tile for groups of 4), then B1 end to end through the public API with it on and
+# off. One log per step under $OUT. Steps (STEPS, in order):
+#   tests     tests/test_gluon_decode_mma.py (the kernel switched on against the torch reference)
+#   attn      bench_b1_attention.py over VARIANTS, --shape 0.6b then 8b
+#   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
+#   b8        the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b), kernel on
+#
+#   bash benchmarks/gpu_decode_mma.sh
+#   STEPS="b1 b8" MMA='{"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32}' bash benchmarks/gpu_decode_mma.sh
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_decode_mma}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEPS=${STEPS:-"tests attn b1 b8"}
+EVERY=${EVERY:-128}
+MMA=${MMA:-'{"DECODE_MMA_FP8": true}'}   # the triton_attn constants B1 runs with "on"
+VARIANT_JSON='{"old": {}, "mma": {"DECODE_MMA_FP8": true},
+  "mma8": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
+  "mma32": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 32},
+  "b32": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32},
+  "b32p8": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32, "DECODE_MMA_PROGRAMS_PER_SM": 8}}'
+VARIANTS=${VARIANTS:-old,mma,mma8,mma32,b32,b32p8}
+
+run_step() {  # name, time limit (s), command...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit} s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+
+for step in $STEPS; do
+  case $step in
+    tests) run_step tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gluon_decode_mma.py ;;
+    attn) for shape in 0.6b 8b; do
+            run_step "attn_$shape" 170 python3 benchmarks/bench_b1_attention.py --shape "$shape" --every "$EVERY" \
+              --kv-cache-dtype fp8 --variants "$VARIANTS" --extra-variants "$VARIANT_JSON"
+          done ;;
+    b1) run_step b1_on 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --attn-constants "$MMA"
+        run_step b1_off 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8
+        run_step b1_on2 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --attn-constants "$MMA" ;;
+    b8) run_step b8 200 python3 benchmarks/bench_fp8.py b1-8b --attn-constants "$MMA" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
