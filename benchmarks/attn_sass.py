@@ -104,13 +104,14 @@ def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
 
 def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None = None, head_dim: int = HEAD_DIM,
                        split: bool = False):
-    """`gluon_decode_mma`'s kernel (the cache passed as int32 words, as `triton_attn._decode_mma` passes it)."""
+    """`gluon_decode_mma`'s kernel over a `kv` cache ("auto": bf16), passed as int32 words as
+    `triton_attn._decode_mma` passes it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from nanovllm.kernels import gluon_decode_mma as gdm
     fn = gdm.decode_mma_kernel
     consts = dict(QPK=qpk, BLOCK_N=block_n or ta.DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=PAGE_SIZE,
-                  E5M2=kv == "fp8_e5m2", IS_SPLIT=split, PDL=True)
+                  KV_FP8=kv != "auto", E5M2=kv == "fp8_e5m2", IS_SPLIT=split, PDL=True)
     pointers = dict(_attention_pointers(kv), k_cache_ptr="*i32", v_cache_ptr="*i32")
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")

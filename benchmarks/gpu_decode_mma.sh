@@ -8,6 +8,7 @@
 #   attn      bench_b1_attention.py over VARIANTS, --shape 0.6b then 8b
 #   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
 #   b8        the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b), kernel on
+#   attn_bf16 / b1_bf16   the same over a bf16 cache (DECODE_MMA_16BIT against the bf16 decode tile)
 #
 #   bash benchmarks/gpu_decode_mma.sh
 #   STEPS="b1 b8" MMA='{"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32}' bash benchmarks/gpu_decode_mma.sh
@@ -25,6 +26,8 @@ VARIANT_JSON='{"old": {}, "mma": {"DECODE_MMA_FP8": true},
   "b32": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32},
   "b32p8": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32, "DECODE_MMA_PROGRAMS_PER_SM": 8}}'
 VARIANTS=${VARIANTS:-old,mma,mma8,mma32,b32,b32p8}
+BF16_JSON='{"old": {}, "mma": {"DECODE_MMA_16BIT": true}, "mma8": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
+  "mma32": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 32}}'
 
 run_step() {  # name, time limit (s), command...
   local name=$1 limit=$2 start=$SECONDS
@@ -45,6 +48,10 @@ for step in $STEPS; do
         run_step b1_off 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8
         run_step b1_on2 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --attn-constants "$MMA" ;;
     b8) run_step b8 200 python3 benchmarks/bench_fp8.py b1-8b --attn-constants "$MMA" ;;
+    attn_bf16) run_step attn_bf16 170 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
+                 --kv-cache-dtype auto --variants old,mma,mma8,mma32 --extra-variants "$BF16_JSON" ;;
+    b1_bf16) run_step b1_bf16_on 90 python3 benchmarks/bench_offline.py --attn-constants '{"DECODE_MMA_16BIT": true}'
+             run_step b1_bf16_off 90 python3 benchmarks/bench_offline.py ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,9 +1,10 @@
-"""`gluon_decode_mma`, decode attention over an fp8 cache with K and V loaded straight into the
-tensor cores' register fragments, against the torch reference (which dequantizes before SDPA).
+"""`gluon_decode_mma`, decode attention with K and V loaded straight into the tensor cores' register
+fragments, against the torch reference (which dequantizes an fp8 cache before SDPA).
 
 Groups of 1 to 8 query heads, head sizes 64 to 256, one split and several (the combine kernel
 merging them), contexts ending anywhere in a tile (the masked last tile) and a split past the end
-of a short context, e4m3 and e5m2, fp16 and bf16 queries, and a cache whose blocks hold two tiles.
+of a short context, e4m3 and e5m2 caches with fp16 and bf16 queries, bf16 and fp16 caches, and a
+cache whose blocks hold two tiles.
 The kernel is Gluon, which Triton's interpreter does not run: these tests need an NVIDIA GPU with
 fp8 conversions (Ada or Hopper) and skip elsewhere. On any machine: where the kernel applies, and
 that it compiles for Hopper (Triton's bundled ptxas, no GPU) with each layout conversion a no-op
@@ -40,8 +41,9 @@ CASES = {
 
 @pytest.fixture
 def decode_mma(monkeypatch):
-    """The Gluon kernel switched on (DECODE_MMA_FP8) for the test."""
+    """The Gluon kernel switched on (DECODE_MMA_FP8, DECODE_MMA_16BIT) for the test."""
     monkeypatch.setattr(triton_attn, "DECODE_MMA_FP8", True)
+    monkeypatch.setattr(triton_attn, "DECODE_MMA_16BIT", True)
 
 
 def _decode_batch(gen, case, cache_dtype):
@@ -50,19 +52,25 @@ def _decode_batch(gen, case, cache_dtype):
     return paged, d, num_splits
 
 
+# (query dtype, cache dtype)
+DTYPES = [(torch.float16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+          (torch.float16, torch.float8_e5m2), (torch.bfloat16, torch.float8_e5m2),
+          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+
+
 @needs_fp8_gpu
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_mma_matches_the_reference(gen, decode_mma, case, dtype, cache_dtype):
     paged, d, num_splits = _decode_batch(gen, case, cache_dtype)
+    fp8 = paged["k_scale"] is not None
     q = paged["q"].to(dtype=dtype, device=DEVICE)
     k_cache, v_cache = paged["k_cache"].to(DEVICE), paged["v_cache"].to(DEVICE)
-    assert triton_attn._use_decode_mma(q, k_cache, v_cache, True)
+    assert triton_attn._use_decode_mma(q, k_cache, v_cache, fp8)
     on_device = {name: t.to(DEVICE) for name, t in paged["batch"].items()}
+    scales = dict(k_scale=paged["k_scale"].to(DEVICE), v_scale=paged["v_scale"].to(DEVICE)) if fp8 else {}
     got = triton_attn.paged_attention(q, k_cache, v_cache, **on_device, scale=d ** -0.5, max_seqlen_q=1,
-                                      num_splits=num_splits, k_scale=paged["k_scale"].to(DEVICE),
-                                      v_scale=paged["v_scale"].to(DEVICE)).float().cpu()
+                                      num_splits=num_splits, **scales).float().cpu()
     assert_attention_close(got, reference_attention(paged), dtype, gen)
 
 
@@ -82,17 +90,19 @@ def test_decode_mma_agrees_with_the_triton_kernels(gen, decode_mma, monkeypatch)
 
 
 def test_decode_mma_applies_only_where_its_layouts_hold(monkeypatch):
-    """The Gluon kernel takes 16-bit queries over an fp8 cache with contiguous rows, groups of at most
-    8 query heads, power-of-two heads of 64 or more and blocks of whole tiles, on a CUDA GPU only."""
+    """The Gluon kernel takes 16-bit queries over an fp8 cache (or a 16-bit one of their dtype) with
+    contiguous rows, groups of at most 8 query heads, power-of-two heads of 64 or more and blocks of
+    whole tiles, on a CUDA GPU only, each cache kind under its own switch."""
     def applies(heads=16, kv_heads=8, d=128, block=16, q_dtype=torch.bfloat16, cache=torch.float8_e4m3fn,
-                fp8=True, cuda=True, switch=True):
+                cuda=True, fp8_switch=True, switch_16bit=True):
         q = torch.empty(2, heads, d, dtype=q_dtype)
         k = torch.empty(4, block, kv_heads, d, dtype=cache)
-        monkeypatch.setattr(triton_attn, "DECODE_MMA_FP8", switch)
+        monkeypatch.setattr(triton_attn, "DECODE_MMA_FP8", fp8_switch)
+        monkeypatch.setattr(triton_attn, "DECODE_MMA_16BIT", switch_16bit)
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: cuda))
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        monkeypatch.setattr(triton_attn, "_capability", lambda device: (9, 0))
         try:
-            return triton_attn._use_decode_mma(q, k, k, fp8)
+            return triton_attn._use_decode_mma(q, k, k, cache in (torch.float8_e4m3fn, torch.float8_e5m2))
         finally:
             monkeypatch.undo()
 
@@ -102,14 +112,16 @@ def test_decode_mma_applies_only_where_its_layouts_hold(monkeypatch):
     assert not applies(d=96) and not applies(d=32)   # not a power of two; too small
     assert not applies(block=8)                      # a block smaller than a tile
     assert not applies(q_dtype=torch.float32)
-    assert not applies(fp8=False, cache=torch.bfloat16)
     assert not applies(cuda=False)
-    assert not applies(switch=False)
+    assert not applies(fp8_switch=False) and applies(switch_16bit=False)
+    assert applies(cache=torch.bfloat16) and applies(cache=torch.float16, q_dtype=torch.float16)
+    assert not applies(cache=torch.bfloat16, switch_16bit=False) and applies(cache=torch.bfloat16, fp8_switch=False)
+    assert not applies(cache=torch.float16)          # a 16-bit cache of another dtype than the queries'
 
 
 # (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split)
 COMPILED = [("fp8", 2, 128, 16, False), ("fp8_e5m2", 4, 128, 16, True), ("fp8", 8, 64, 32, False),
-            ("fp8", 1, 256, 16, True)]
+            ("fp8", 1, 256, 16, True), ("auto", 4, 128, 16, True)]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton's compiler")

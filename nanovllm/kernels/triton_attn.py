@@ -220,17 +220,20 @@ DECODE_FMA_MAXNREG = None  # a register cap (None: ptxas's choice; 128 replayed 
 # head) ran B1 with fp8 weights and cache at 10,021 tok/s with it, 1.08x its bf16 run, against
 # 1.22x with the tensor-core tile (RESULTS.md "Twelfth session").
 DECODE_FMA_MAX_GROUP = 2
-# Decode-only batches over an fp8 cache on `gluon_decode_mma` instead (tensor cores, K and V loaded
-# straight into the products' register fragments), for groups of up to its MAX_GROUP query heads
-# and power-of-two head sizes from DECODE_MMA_MIN_HEAD_DIM, on GPUs of DECODE_MMA_MIN_CAPABILITY
-# (fp8 -> fp16x2 conversion in one instruction); it takes precedence over DECODE_FMA_FP8 and the
-# fp8 decode tile. No fused RoPE (`fuses_decode_rope` is false for these batches). Compiled for
-# sm_90 offline (benchmarks/attn_sass.py --gluon): a 16-key tile's loop is 231 instructions for
-# the whole group, nothing through shared memory, 129 registers, against decode_fma's 757 (two
-# query heads) and the fp8 tile's ~348 a warp per 16 keys plus 106 KB read and 71.5 KB written to
-# shared memory a 128-key tile (RESULTS.md "Thirty-third session"). Off until it has run on a GPU:
-# its tests and benchmarks there are written, not yet run.
+# Decode-only batches on `gluon_decode_mma` instead (tensor cores, K and V loaded straight into the
+# products' register fragments): over an fp8 cache with DECODE_MMA_FP8, over a 16-bit cache of the
+# queries' dtype with DECODE_MMA_16BIT; for groups of up to its MAX_GROUP query heads and power-of-two
+# head sizes from DECODE_MMA_MIN_HEAD_DIM, on GPUs of DECODE_MMA_MIN_CAPABILITY (fp8 -> fp16x2 in one
+# instruction). It takes precedence over the CUDA-core kernel and the decode tiles. No fused RoPE
+# (`fuses_decode_rope` is false for these batches). Compiled for sm_90 offline (benchmarks/attn_sass.py
+# --gluon; RESULTS.md "Thirty-third session"): a 16-key tile's loop is 231 instructions for the whole
+# group over an fp8 cache (219 over bf16), nothing through shared memory, 129 registers (174); against
+# 757 for decode_fma's two query heads, and ~348 (fp8) / ~324 (bf16) a warp per 16 keys for the decode
+# tiles plus ~105 KB read and 71.5 KB written to shared memory a 128-key tile. Both off until the
+# kernel has run on a GPU: its tests and benchmarks there are written (benchmarks/gpu_decode_mma.sh),
+# not yet run.
 DECODE_MMA_FP8 = False
+DECODE_MMA_16BIT = False
 DECODE_MMA_BLOCK_N = 16             # keys a tile (a tile lies in one cache block)
 DECODE_MMA_PROGRAMS_PER_SM = 16     # the split policy's target for this kernel (1-warp programs)
 DECODE_MMA_MAX_SPLITS = 32
@@ -798,7 +801,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert rope is None or fuses_decode_rope(q, k_cache, max_seqlen_q), "the caller checks fuses_decode_rope"
     if max_seqlen_q == 1 and _use_decode_mma(q, k_cache, v_cache, kv_fp8):
         return _decode_mma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
-                           k_scale, v_scale, max_seqlen_k, num_splits)
+                           k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, max_seqlen_k, num_splits)
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
@@ -921,25 +924,31 @@ def _use_decode_fma(kv_fp8: bool, cache_dtype: torch.dtype, q_dtype: torch.dtype
 
 
 def _use_decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, kv_fp8: bool) -> bool:
-    """Whether a decode-only batch runs on `gluon_decode_mma` (DECODE_MMA_*): an fp8 cache whose
-    rows are contiguous (V's too, where given), blocks of whole tiles, a group of at most its
-    MAX_GROUP query heads, 16-bit queries, on an NVIDIA GPU of DECODE_MMA_MIN_CAPABILITY, not under
-    Triton's interpreter (which runs no Gluon)."""
-    if not (DECODE_MMA_FP8 and kv_fp8 and q.is_cuda and torch.version.hip is None) or triton.knobs.runtime.interpret:
+    """Whether a decode-only batch runs on `gluon_decode_mma` (DECODE_MMA_*): an fp8 cache, or a 16-bit
+    one of q's dtype, whose rows are contiguous (V's too, where given), blocks of whole tiles, a
+    group of at most its MAX_GROUP query heads, 16-bit queries, on an NVIDIA GPU of
+    DECODE_MMA_MIN_CAPABILITY, not under Triton's interpreter (which runs no Gluon)."""
+    switch = DECODE_MMA_FP8 if kv_fp8 else DECODE_MMA_16BIT and k_cache.dtype == q.dtype
+    if not (switch and q.is_cuda and torch.version.hip is None) or triton.knobs.runtime.interpret:
         return False
     head_dim, qpk = q.shape[-1], q.shape[1] // k_cache.shape[2]
     return (q.element_size() == 2 and qpk <= gluon_decode_mma.MAX_GROUP.value
             and head_dim >= DECODE_MMA_MIN_HEAD_DIM and head_dim & (head_dim - 1) == 0
             and k_cache.shape[1] % DECODE_MMA_BLOCK_N == 0 and k_cache.stride(3) == 1
-            and (v_cache is None or v_cache.stride(3) == 1)
-            and torch.cuda.get_device_capability(q.device) >= DECODE_MMA_MIN_CAPABILITY)
+            and (v_cache is None or v_cache.stride(3) == 1) and _capability(q.device) >= DECODE_MMA_MIN_CAPABILITY)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
-                scale: float, out: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                 max_seqlen_k: int | None, num_splits: int | None) -> torch.Tensor:
-    """`paged_attention` of a decode-only batch over an fp8 cache through `gluon_decode_mma`."""
+    """`paged_attention` of a decode-only batch through `gluon_decode_mma` (k_scale, v_scale: an fp8
+    cache's, else None)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
     if num_splits is None:
@@ -949,12 +958,13 @@ def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)  # 4 fp8 values a word
     gluon_decode_mma.decode_mma_kernel[(num_kv_heads * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_words, v_words, cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        k_scale, v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        seq_lens_k if k_scale is None else k_scale, seq_lens_k if v_scale is None else v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_words.stride(0), k_words.stride(1), k_words.stride(2), v_words.stride(0), v_words.stride(1),
         v_words.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         QPK=num_heads // num_kv_heads, BLOCK_N=DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1, num_warps=1,
+        KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
+        num_warps=1,
         **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim)
