@@ -9,6 +9,8 @@
 #   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
 #   b8        the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b), kernel on
 #   attn_bf16 / b1_bf16   the same over a bf16 cache (DECODE_MMA_16BIT against the bf16 decode tile)
+#   long      one 32k-token sequence's decode (bench_long_context.py, bf16 cache) with the kernel: its own
+#             split sweep under two split policies (1-warp programs want more splits than the tile)
 #
 #   bash benchmarks/gpu_decode_mma.sh
 #   STEPS="b1 b8" MMA='{"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32}' bash benchmarks/gpu_decode_mma.sh
@@ -48,6 +50,9 @@ for step in $STEPS; do
         run_step b1_off 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8
         run_step b1_on2 90 python3 benchmarks/bench_offline.py --kv-cache-dtype fp8 --attn-constants "$MMA" ;;
     b8) run_step b8 200 python3 benchmarks/bench_fp8.py b1-8b --attn-constants "$MMA" ;;
+    long) run_step long 240 python3 benchmarks/bench_long_context.py --splits 32,64,128,256,0 --sweep-constants \
+            '[{}, {"DECODE_MMA_16BIT": true}, {"DECODE_MMA_16BIT": true, "DECODE_MMA_MAX_SPLITS": 256, "MIN_KEYS_PER_SPLIT": 128}]' \
+            --attn-constants '{"DECODE_MMA_16BIT": true, "DECODE_MMA_MAX_SPLITS": 256, "MIN_KEYS_PER_SPLIT": 128}' ;;
     attn_bf16) run_step attn_bf16 170 python3 benchmarks/bench_b1_attention.py --every "$EVERY" \
                  --kv-cache-dtype auto --variants old,mma,mma8,mma32 --extra-variants "$BF16_JSON" ;;
     b1_bf16) run_step b1_bf16_on 90 python3 benchmarks/bench_offline.py --attn-constants '{"DECODE_MMA_16BIT": true}'
