@@ -33,7 +33,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, split_tile_range
+from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 MAX_GROUP = gl.constexpr(8)   # query heads of one KV head: P^T's columns, the B operand's n of 8
 MMA_M = gl.constexpr(16)      # rows of one mma.sync (m16n8k16)
@@ -222,11 +223,8 @@ def decode_mma_kernel(
     fp16, per-KV-head scales; else a 16-bit cache of q's dtype, products in it."""
     mma: gl.constexpr = _mma_layout()
     DTYPE: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    launch_dependents(PDL)
+    wait_for_prior_grid(PDL)
     seq = gl.program_id(1)
     kv_head = gl.program_id(0) // num_splits
     split = gl.program_id(0) % num_splits
@@ -240,12 +238,8 @@ def decode_mma_kernel(
         v_scale = gl.load(v_scale_ptr + kv_head)
     q_b = _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK, HEAD_DIM, _piece(KV_FP8), DTYPE)
 
-    num_tiles = gl.cdiv(ctx_len, BLOCK_N)
-    per_split = gl.cdiv(num_tiles, num_splits)
-    tile_begin = split * per_split
-    tile_end = gl.minimum(tile_begin + per_split, num_tiles)
-    full_end = gl.minimum(ctx_len // BLOCK_N, tile_end)
-    masked_begin = gl.maximum(tile_begin, full_end)
+    # one query at the context's end: it sees every key, so only the last tile is masked
+    tile_begin, full_end, masked_begin, tile_end = split_tile_range(ctx_len, ctx_len, split, num_splits, BLOCK_N)
 
     m_i = gl.full([MAX_GROUP], RUNNING_MAX_INIT, gl.float32, gl.SliceLayout(0, mma))
     l_i = gl.zeros([BLOCK_N, MAX_GROUP], gl.float32, mma)
