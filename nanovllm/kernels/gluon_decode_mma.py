@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, split_tile_range
+from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context, split_tile_range
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 MAX_GROUP = gl.constexpr(8)   # query heads of one KV head: P^T's columns, the B operand's n of 8
@@ -231,11 +231,8 @@ def decode_mma_kernel(
     token = gl.load(cu_seqlens_q_ptr + seq)
     if gl.load(cu_seqlens_q_ptr + seq + 1) == token:  # no query this step
         return
-    ctx_len = gl.load(seq_lens_k_ptr + seq)
-    v_scale = 1.0
-    if KV_FP8:  # the KV head's key scale joins the softmax scale, its value scale the output
-        scale_log2 = scale_log2 * gl.load(k_scale_ptr + kv_head)
-        v_scale = gl.load(v_scale_ptr + kv_head)
+    ctx_len, scale_log2, v_scale = decode_context(seq_lens_k_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, scale_log2,
+                                                  KV_FP8)
     q_b = _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK, HEAD_DIM, _piece(KV_FP8), DTYPE)
 
     # one query at the context's end: it sees every key, so only the last tile is masked

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.triton_kv_write import load_cos_sin, rope_q_rows, rope_store_new_kv
-from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, split_of_last_key,
-                                                 split_tile_range)
+from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context, load_kv_tile,
+                                                 split_of_last_key, split_tile_range)
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 # Query heads one program computes, each with its own scalar softmax state and [D] (or
@@ -170,11 +170,8 @@ def decode_fma_kernel(
     token = tl.load(cu_seqlens_q_ptr + seq)
     if tl.load(cu_seqlens_q_ptr + seq + 1) == token:  # no query this step
         return
-    ctx_len = tl.load(seq_lens_k_ptr + seq)
-    v_scale = 1.0
-    if KV_FP8:  # the KV head's key scale joins the softmax scale, its value scale the output
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
+    ctx_len, scale_log2, v_scale = decode_context(seq_lens_k_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, scale_log2,
+                                                  KV_FP8)
     head0 = kv_head * QPK + pair * HEADS_PER_PROGRAM
     head_end = (kv_head + 1) * QPK  # the group's heads are below it (head0 always; head0 + 1 if QPK > 1)
     if ROPE:
