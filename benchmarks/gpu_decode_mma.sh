@@ -31,13 +31,7 @@ VARIANTS=${VARIANTS:-old,mma,mma8,mma32,b32,b32p8}
 BF16_JSON='{"old": {}, "mma": {"DECODE_MMA_16BIT": true}, "mma8": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
   "mma32": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 32}}'
 
-run_step() {  # name, time limit (s), command...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  echo "=== $name (limit ${limit} s): $*"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
-}
+source benchmarks/gpu_run_step.sh
 
 for step in $STEPS; do
   case $step in

@@ -33,13 +33,7 @@ PROFILE=${PROFILE---profile}  # PROFILE= for B1 without its per-kernel profile r
 # shared-memory wavefronts and bank conflicts, instructions, and each stall reason (cycles per instruction)
 NCU_METRICS=${NCU_METRICS:-l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,smsp__inst_executed.sum,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio}
 
-run_step() {  # name, time limit (s), command...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  echo "=== $name (limit ${limit} s): $*"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
-}
+source benchmarks/gpu_run_step.sh
 
 b1() {  # name, attn log, kv_cache_dtype, bench_offline arguments...
   local name=$1 constants
