@@ -110,7 +110,8 @@ def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None =
 
     from nanovllm.kernels import gluon_decode_mma as gdm
     fn = gdm.decode_mma_kernel
-    consts = dict(QPK=qpk, BLOCK_N=block_n or ta.DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=PAGE_SIZE,
+    block_n = block_n or ta.DECODE_MMA_BLOCK_N  # (a tile lies in one cache block: pages of at least BLOCK_N)
+    consts = dict(QPK=qpk, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE_SIZE=max(PAGE_SIZE, block_n),
                   KV_FP8=kv != "auto", E5M2=kv == "fp8_e5m2", IS_SPLIT=split, PDL=True)
     pointers = dict(_attention_pointers(kv), k_cache_ptr="*i32", v_cache_ptr="*i32")
     names = list(fn.arg_names)

@@ -5,7 +5,8 @@
 # of 2, the fp8 decode tile for groups of 4), then B1 end to end through the public API with it on and
 # off. One log per step under $OUT. Steps (STEPS, in order):
 #   tests     tests/test_gluon_decode_mma.py (the kernel switched on against the torch reference)
-#   attn      bench_b1_attention.py over VARIANTS, --shape 0.6b then 8b
+#   attn      bench_b1_attention.py over VARIANTS (split policies: programs a multiprocessor, keys a split),
+#             --shape 0.6b then 8b
 #   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
 #   b8        the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b), kernel on
 #   attn_bf16 / b1_bf16   the same over a bf16 cache (DECODE_MMA_16BIT against the bf16 decode tile)
@@ -25,9 +26,8 @@ MMA=${MMA:-'{"DECODE_MMA_FP8": true}'}   # the triton_attn constants B1 runs wit
 VARIANT_JSON='{"old": {}, "mma": {"DECODE_MMA_FP8": true},
   "mma8": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
   "mma32": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 32},
-  "b32": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32},
-  "b32p8": {"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32, "DECODE_MMA_PROGRAMS_PER_SM": 8}}'
-VARIANTS=${VARIANTS:-old,mma,mma8,mma32,b32,b32p8}
+  "mma_k256": {"DECODE_MMA_FP8": true, "MIN_KEYS_PER_SPLIT": 256, "DECODE_MMA_MAX_SPLITS": 64}}'
+VARIANTS=${VARIANTS:-old,mma,mma8,mma32,mma_k256}
 BF16_JSON='{"old": {}, "mma": {"DECODE_MMA_16BIT": true}, "mma8": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
   "mma32": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 32}}'
 

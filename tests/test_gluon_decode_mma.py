@@ -119,7 +119,7 @@ def test_decode_mma_applies_only_where_its_layouts_hold(monkeypatch):
     assert not applies(cache=torch.float16)          # a 16-bit cache of another dtype than the queries'
 
 
-# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split)
+# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split); a 32-key tile for pages of 32 or more
 COMPILED = [("fp8", 2, 128, 16, False), ("fp8_e5m2", 4, 128, 16, True), ("fp8", 8, 64, 32, False),
             ("fp8", 1, 256, 16, True), ("auto", 4, 128, 16, True)]
 

@@ -140,18 +140,23 @@ def _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK: gl.constexpr, 
 
 
 @gluon.jit
-def _load_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, tile, ctx_len, kv_head,
+def _block_of(block_table_ptr, tile, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """The cache block that holds tile `tile` (a tile lies in one block: PAGE_SIZE % BLOCK_N == 0)."""
+    return gl.load(block_table_ptr + tile * BLOCK_N // PAGE_SIZE).to(gl.int64)
+
+
+@gluon.jit
+def _load_tiles(k_cache_ptr, v_cache_ptr, block, tile, ctx_len, kv_head,
                 stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr, MASKED: gl.constexpr,
                 KV_FP8: gl.constexpr):
     """Tile `tile`'s K and V words in cache order and their load layouts ([BLOCK_N, W] int32 each:
-    the cache seen as int32, strides in words). The tile lies in one page (PAGE_SIZE % BLOCK_N
-    == 0). MASKED: keys at or past ctx_len read 0."""
+    the cache seen as int32, strides in words), from cache block `block` (`_block_of`). MASKED:
+    keys at or past ctx_len read 0."""
     k_layout: gl.constexpr = _key_load_layout(BLOCK_N, HEAD_DIM, KV_FP8)
     v_layout: gl.constexpr = _value_load_layout(BLOCK_N, HEAD_DIM, KV_FP8)
     words: gl.constexpr = HEAD_DIM // _values_per_word(KV_FP8)
     first = tile * BLOCK_N
-    block = gl.load(block_table_ptr + first // PAGE_SIZE).to(gl.int64)
     row0 = first % PAGE_SIZE
     k_keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, k_layout))
     k_words = gl.arange(0, words, layout=gl.SliceLayout(0, k_layout))
@@ -242,22 +247,26 @@ def decode_mma_kernel(
     l_i = gl.zeros([BLOCK_N, MAX_GROUP], gl.float32, mma)
     acc_t = gl.zeros([HEAD_DIM, MAX_GROUP], gl.float32, mma)
     block_table_ptr = block_tables_ptr + seq.to(gl.int64) * stride_bt
-    if tile_begin < full_end:  # registers hold the next tile's K and V while this one is used
-        k, v = _load_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, tile_begin, ctx_len, kv_head,
-                           stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
-                           BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
+    if tile_begin < full_end:
+        # registers hold the next tile's K and V while this one is used, and the block id of the one after
+        # (a tile's loads wait for its block id: read a tile earlier, its latency is off the loop's path)
+        last = full_end - 1
+        k, v = _load_tiles(k_cache_ptr, v_cache_ptr, _block_of(block_table_ptr, tile_begin, BLOCK_N, PAGE_SIZE),
+                           tile_begin, ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+                           stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
+        next_block = _block_of(block_table_ptr, gl.minimum(tile_begin + 1, last), BLOCK_N, PAGE_SIZE)
         for tile in range(tile_begin, full_end):
-            next_tile = gl.minimum(tile + 1, full_end - 1)
-            k_next, v_next = _load_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, next_tile, ctx_len, kv_head,
-                                         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
+            k_next, v_next = _load_tiles(k_cache_ptr, v_cache_ptr, next_block, gl.minimum(tile + 1, last), ctx_len,
+                                         kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
                                          BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
+            next_block = _block_of(block_table_ptr, gl.minimum(tile + 2, last), BLOCK_N, PAGE_SIZE)
             acc_t, m_i, l_i = _attend(acc_t, m_i, l_i, q_b, k, v, tile, ctx_len, scale_log2,
                                       BLOCK_N, HEAD_DIM, False, KV_FP8, E5M2)
             k = k_next
             v = v_next
     for tile in range(masked_begin, tile_end):
-        k, v = _load_tiles(k_cache_ptr, v_cache_ptr, block_table_ptr, tile, ctx_len, kv_head,
-                           stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
+        k, v = _load_tiles(k_cache_ptr, v_cache_ptr, _block_of(block_table_ptr, tile, BLOCK_N, PAGE_SIZE), tile,
+                           ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
                            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, KV_FP8)
         acc_t, m_i, l_i = _attend(acc_t, m_i, l_i, q_b, k, v, tile, ctx_len, scale_log2,
                                   BLOCK_N, HEAD_DIM, True, KV_FP8, E5M2)
