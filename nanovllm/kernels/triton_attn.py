@@ -226,8 +226,8 @@ DECODE_FMA_MAX_GROUP = 2
 # head sizes from DECODE_MMA_MIN_HEAD_DIM, on GPUs of DECODE_MMA_MIN_CAPABILITY (fp8 -> fp16x2 in one
 # instruction). It takes precedence over the CUDA-core kernel and the decode tiles. No fused RoPE
 # (`fuses_decode_rope` is false for these batches). Compiled for sm_90 offline (benchmarks/attn_sass.py
-# --gluon; RESULTS.md "Thirty-third session"): a 16-key tile's loop is 231 instructions for the whole
-# group over an fp8 cache (219 over bf16), nothing through shared memory, 129 registers (174); against
+# --gluon; RESULTS.md "Thirty-third session"): a 16-key tile's loop is 230 instructions for the whole
+# group over an fp8 cache (201 over bf16), nothing through shared memory, 130 registers (168); against
 # 757 for decode_fma's two query heads, and ~348 (fp8) / ~324 (bf16) a warp per 16 keys for the decode
 # tiles plus ~105 KB read and 71.5 KB written to shared memory a 128-key tile. Both off until the
 # kernel has run on a GPU: its tests and benchmarks there are written (benchmarks/gpu_decode_mma.sh),
