@@ -52,7 +52,9 @@ CUDA graph. Head sizes that are not a power of two are padded and masked.
 
 Decode-only batches over an fp8 cache run `triton_decode_fma` (the products on the CUDA
 cores, no shared-memory staging: DECODE_FMA_*), which read B1's fp8 cache faster than the
-tensor-core decode tile below; 16-bit caches keep the tile.
+tensor-core decode tile below; 16-bit caches keep the tile. With DECODE_MMA_FP8 / DECODE_MMA_16BIT
+(off until timed on a GPU) decode-only batches run `gluon_decode_mma` instead (tensor cores, K and V
+loaded straight into the products' register fragments).
 
 Decode-tile options, all off by default (each replayed slower than the default tile over
 B1's decode batches on an H200, or within 1% of it: benchmarks/RESULTS.md "Ninth session"),
@@ -71,7 +73,8 @@ counts, head size, block size, dtype, cache dtype: an fp8 cache has its own deco
 DECODE_FP8_*; the prefill tile PREFILL_* or, with PREFILL_LARGE_TILE, PREFILL_LARGE_* for a
 16-bit cache on Hopper or later) the attention kernel has 4, decode or prefill tiles times split or not
 (`IS_SPLIT`; the split count itself is a run-time argument), the combine kernel 1, the
-store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead. With
+store kernel 1; an fp8 cache's decodes are `triton_decode_fma`'s 2 (split or not) instead, or with
+DECODE_MMA_* on `gluon_decode_mma`'s 2 (the same rules: its run-time ints are `do_not_specialize`). With
 DECODE_FUSED_ROPE (set before an engine starts) the decode tiles are its ROPE ones, as many.
 The cache layout is fixed when the cache is allocated, so the strides Triton specializes on (a unit stride) are the same for every launch. The block-table width
 and the split workspace strides vary at run time and are `do_not_specialize`.
@@ -955,17 +958,17 @@ def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = _choose_num_splits(num_seqs * num_kv_heads, max_seqlen_k, q.device,
                                         DECODE_MMA_PROGRAMS_PER_SM, DECODE_MMA_MAX_SPLITS)
     part_out, part_lse = _split_workspace(num_tokens, num_heads, num_splits, head_dim, q.device)
-    k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)  # 4 fp8 values a word
+    k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)  # 4 fp8 or 2 16-bit values a word
     gluon_decode_mma.decode_mma_kernel[(num_kv_heads * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_words, v_words, cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        seq_lens_k if k_scale is None else k_scale, seq_lens_k if v_scale is None else v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        seq_lens_k if k_scale is None else k_scale, seq_lens_k if v_scale is None else v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_words.stride(0), k_words.stride(1), k_words.stride(2), v_words.stride(0), v_words.stride(1),
         v_words.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         QPK=num_heads // num_kv_heads, BLOCK_N=DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
-        num_warps=1,
-        **launch_options(q.device))
+        num_warps=1, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim)
     return out
