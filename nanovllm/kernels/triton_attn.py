@@ -527,16 +527,17 @@ def _unified_attention_kernel(
     row_ok = (q_idx < q_len) & (rows % QPK_PAD < QPK)
     q_pos = ctx_len - q_len + q_idx                               # [BLOCK_M] causal limit of each row
     if ROPE:  # a decode step: one query token, at q_start
-        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + q_start), HEAD_DIM // 2)
+        half_dims = tl.arange(0, HEAD_DIM // 2)[None, :]
+        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + q_start), half_dims)
         q = rope_q_rows(q_ptr, q_start + q_idx, head, row_ok, stride_qt, stride_qh, q_w_ptr, cos, sin,
-                        rope_eps, HEAD_DIM, QK_NORM)             # [BLOCK_M, HEAD_DIM]
+                        rope_eps, half_dims, QK_NORM)            # [BLOCK_M, HEAD_DIM]
         if OPAQUE_Q:  # as if loaded: K then reaches the product through ldmatrix again (bf16 tile's loop: 650
             q = _opaque_identity(q)  # instructions, 648 unfused, 789 without this; triton 3.6: attn_sass.py)
         if split == split_of_last_key(ctx_len, num_splits, BLOCK_N):  # this split's tiles hold the new key
             rope_store_new_kv(k_new_ptr, v_new_ptr, q_start, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr,
                               k_scale_ptr, v_scale_ptr, k_w_ptr, cos, sin, rope_eps, stride_knt, stride_knh,
                               stride_vnt, stride_vnh, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
-                              stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
+                              stride_vh, stride_vd, half_dims, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
             tl.debug_barrier()  # the key and value written are visible to the program's loads below
     else:
         q = load_q_tile(q_ptr, q_start, q_idx, head, row_ok, stride_qt, stride_qh,

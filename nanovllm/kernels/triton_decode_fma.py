@@ -132,7 +132,7 @@ def _rope_q(q_ptr, token, head, head_end, stride_qt, stride_qh, scale_log2, w_pt
     kernel does it (ROPE; a power-of-two head size)."""
     tokens = token + tl.zeros([1], dtype=tl.int32)                          # [1]
     q = rope_q_rows(q_ptr, tokens, tokens * 0 + head, tokens * 0 + head < head_end, stride_qt, stride_qh,
-                    w_ptr, cos, sin, eps, HEAD_DIM, QK_NORM)                # [1, D]
+                    w_ptr, cos, sin, eps, tl.arange(0, HEAD_DIM // 2)[None, :], QK_NORM)  # [1, D]
     return tl.reshape(q, [HEAD_DIM]).to(tl.float32) * scale_log2          # [D]
 
 
@@ -175,7 +175,8 @@ def decode_fma_kernel(
     head0 = kv_head * QPK + pair * HEADS_PER_PROGRAM
     head_end = (kv_head + 1) * QPK  # the group's heads are below it (head0 always; head0 + 1 if QPK > 1)
     if ROPE:
-        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), HEAD_DIM // 2)
+        half_dims = tl.arange(0, HEAD_DIM // 2)[None, :]
+        cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), half_dims)
         q0 = _rope_q(q_ptr, token, head0, head_end, stride_qt, stride_qh, scale_log2, q_w_ptr, cos, sin, rope_eps,
                      HEAD_DIM, QK_NORM)
         q1 = _rope_q(q_ptr, token, head0 + 1, head_end, stride_qt, stride_qh, scale_log2, q_w_ptr, cos, sin,
@@ -186,7 +187,7 @@ def decode_fma_kernel(
             rope_store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr, k_cache_ptr, v_cache_ptr,
                               k_scale_ptr, v_scale_ptr, k_w_ptr, cos, sin, rope_eps,
                               stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kb, stride_kr, stride_kh,
-                              stride_vb, stride_vr, stride_vh, stride_vd, HEAD_DIM, PAGE_SIZE, QK_NORM, KV_FP8,
+                              stride_vb, stride_vr, stride_vh, stride_vd, half_dims, PAGE_SIZE, QK_NORM, KV_FP8,
                               FP8_MAX)
             tl.debug_barrier()  # the key and value written are visible to the program's loads below
     else:

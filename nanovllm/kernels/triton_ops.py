@@ -101,7 +101,7 @@ def _norm_rope_heads(x_ptr, w_ptr, cos, sin, token, stride_t, stride_h, num_head
     base = x_ptr + token * stride_t + heads * stride_h
     y1, y2 = norm_rope_halves(tl.load(base + dims, mask=mask, other=0.0),
                               tl.load(base + HALF + dims, mask=mask, other=0.0), w_ptr, cos, sin, eps,
-                              HALF, HAS_NORM)
+                              dims, HAS_NORM)
     tl.store(base + dims, y1, mask=mask)
     tl.store(base + HALF + dims, y2, mask=mask)
     return y1, y2
@@ -124,7 +124,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr, pos_ptr,
     launch_dependents(PDL)
     wait_for_prior_grid(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), HALF)
+    cos, sin = load_cos_sin(cos_sin_ptr, tl.load(pos_ptr + token), tl.arange(0, HALF)[None, :])
     if tl.program_id(1) == 0:
         _norm_rope_heads(q_ptr, q_w_ptr, cos, sin, token, stride_qt, stride_qh, num_q_heads, eps,
                          HALF, HAS_NORM, BLOCK_QH)
@@ -153,7 +153,8 @@ def _rope_k_and_store(k_ptr, k_w_ptr, cos, sin, token, stride_kt, stride_kh, num
             heads = tl.arange(0, BLOCK_KH)[:, None]
             store_kv_rows(k1, k2, v_ptr + token * stride_vt, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                           slot, heads, heads < num_k_heads, stride_vh, stride_cb, stride_cr, stride_ch,
-                          stride_vcb, stride_vcr, stride_vch, stride_vcd, HALF, PAGE_SIZE, KV_FP8, FP8_MAX)
+                          stride_vcb, stride_vcr, stride_vch, stride_vcd, tl.arange(0, HALF)[None, :], PAGE_SIZE,
+                          KV_FP8, FP8_MAX)
 
 
 def qk_norm_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
