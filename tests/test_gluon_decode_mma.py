@@ -7,8 +7,9 @@ of a short context, e4m3 and e5m2 caches with fp16 and bf16 queries, bf16 and fp
 cache whose blocks hold two tiles.
 The kernel is Gluon, which Triton's interpreter does not run: these tests need an NVIDIA GPU with
 fp8 conversions (Ada or Hopper) and skip elsewhere. On any machine: where the kernel applies, and
-that it compiles for Hopper (Triton's bundled ptxas, no GPU) with each layout conversion a no-op
-(asserted while it builds), no spills, and nothing in its loops through shared memory.
+that it compiles for Hopper (Triton's bundled ptxas, no GPU), the fused RoPE too, with each layout
+conversion a no-op (asserted while it builds), no spills, and nothing in its loops through shared memory.
+(The fused RoPE against the separate RoPE kernel: tests/test_triton_attn.py, on a GPU.)
 """
 import os
 import sys
@@ -119,15 +120,16 @@ def test_decode_mma_applies_only_where_its_layouts_hold(monkeypatch):
     assert not applies(cache=torch.float16)          # a 16-bit cache of another dtype than the queries'
 
 
-# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split); a 32-key tile for pages of 32 or more
-COMPILED = [("fp8", 2, 128, 16, False), ("fp8_e5m2", 4, 128, 16, True), ("fp8", 8, 64, 32, False),
-            ("fp8", 1, 256, 16, True), ("auto", 4, 128, 16, True)]
+# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split, fused RoPE); a 32-key tile for pages of
+# 32 or more
+COMPILED = [("fp8", 2, 128, 16, False, False), ("fp8_e5m2", 4, 128, 16, True, True), ("fp8", 8, 64, 32, False, False),
+            ("fp8", 1, 256, 16, True, False), ("auto", 4, 128, 16, True, True)]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton's compiler")
-@pytest.mark.parametrize("kv,qpk,head_dim,block_n,split", COMPILED)
-def test_decode_mma_compiles_for_hopper_with_registers_only_loops(tmp_path, kv, qpk, head_dim, block_n, split):
-    kernel = attn_sass.compile_decode_mma(kv, 90, qpk, block_n, head_dim, split)
+@pytest.mark.parametrize("kv,qpk,head_dim,block_n,split,rope", COMPILED)
+def test_decode_mma_compiles_for_hopper_with_registers_only_loops(tmp_path, kv, qpk, head_dim, block_n, split, rope):
+    kernel = attn_sass.compile_decode_mma(kv, 90, qpk, block_n, head_dim, split, rope)
     sass, _ = attn_sass.sass_of(kernel, str(tmp_path), "decode_mma")
     assert "STL" not in sass.split(), "register spills"
     loops = attn_sass.loops(sass)

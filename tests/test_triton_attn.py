@@ -224,6 +224,22 @@ def test_decode_fused_rope_matches_the_separate_kernel(kernels, gen, monkeypatch
     _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtype, with_norm)
 
 
+# the same for gluon_decode_mma (heads of 64 or more; a GPU of sm_89 or later)
+GLUON_FUSED_ROPE_CASES = {
+    "gqa4_d64_splits3": ([1, 16, 33, 200], 8, 2, 64, 16, 3),
+    "gqa2_d128": ([7, 300], 4, 2, 128, 16, None),
+}
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.get_device_capability() < (8, 9),
+                    reason="Gluon kernel: a GPU of sm_89 or later")
+@pytest.mark.parametrize("with_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"], ids=["cache16", "cache_fp8"])
+@pytest.mark.parametrize("case", list(GLUON_FUSED_ROPE_CASES))
+def test_decode_fused_rope_in_the_gluon_kernel(kernels, gen, monkeypatch, case, cache_dtype, with_norm):
+    _check_decode_fused_rope(kernels, gen, monkeypatch, case, "gluon", cache_dtype, with_norm)
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="the order programs run in is the interpreter's alone to set")
 @pytest.mark.parametrize("kernel", ["tile", "fma"])
 @pytest.mark.parametrize("case", list(FUSED_ROPE_CASES))
@@ -243,7 +259,9 @@ def _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtyp
     monkeypatch.setattr(kernels, "DECODE_FMA_FP8", fma)
     monkeypatch.setattr(kernels, "DECODE_FMA_16BIT", fma)
     monkeypatch.setattr(kernels, "DECODE_FMA_MAX_GROUP", 4 if fma else kernels.DECODE_FMA_MAX_GROUP)
-    ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = FUSED_ROPE_CASES[case]
+    monkeypatch.setattr(kernels, "DECODE_MMA_FP8", kernel == "gluon")
+    monkeypatch.setattr(kernels, "DECODE_MMA_16BIT", kernel == "gluon")
+    ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = {**FUSED_ROPE_CASES, **GLUON_FUSED_ROPE_CASES}[case]
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     batch = _make_batch(gen, [(c - 1, 1) for c in ctx_lens], num_heads, num_kv_heads, head_dim, block_size, dtype)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
@@ -273,6 +291,8 @@ def _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtyp
     expected = kernels.paged_attention(ref_q, **{**args, **ref_caches})
 
     assert kernels.fuses_decode_rope(q, batch["k_cache"], 1)
+    if kernel == "gluon":
+        assert kernels._use_decode_mma(q, batch["k_cache"], batch["v_cache"], cache_dtype is not None)
     rope = fused_ops.DecodeRope(k.clone(), positions, cos_sin, q_w, k_w, 1e-6,
                                 store(batch["k_cache"], batch["v_cache"]))
     got = kernels.paged_attention(q.clone(), **args, rope=rope)

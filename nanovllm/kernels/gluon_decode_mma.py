@@ -29,11 +29,14 @@ with per-KV-head scales, products in fp16 (e4m3 and e5m2 are exact in fp16); ove
 the queries' dtype, products in it; fp32 accumulation. The cache is passed as int32 words (the
 loop carries words, not bytes). Variants: per model and cache dtype, split or not.
 """
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from nanovllm.kernels.triton_paged_tiles import RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context, split_tile_range
+from nanovllm.kernels.triton_kv_write import load_cos_sin, rope_q_rows, rope_store_new_kv
+from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context, split_of_last_key,
+                                                 split_tile_range)
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 MAX_GROUP = gl.constexpr(8)   # query heads of one KV head: P^T's columns, the B operand's n of 8
@@ -123,20 +126,29 @@ def _value_dim_perm(x, COLS: gl.constexpr, HEAD_DIM: gl.constexpr):
     return gl.reshape(x, [HEAD_DIM, COLS])
 
 
+@gluon.constexpr_function
+def _query_layout():
+    """The group's query rows [8, D] (and the halves and RoPE tables of the fused RoPE)."""
+    return gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0])
+
+
 @gluon.jit
-def _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                PIECE: gl.constexpr, DTYPE: gl.constexpr):
-    """The group's queries as S^T's B operand: q^T [D, 8] in DTYPE (fp16 clamped to its range over an
-    fp8 cache), rows in k order, heads past QPK zero."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [1, 1], [1, 0])
-    heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(1, layout))
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    ptrs = q_ptr + token * stride_qt + (kv_head * QPK + heads)[:, None] * stride_qh + dims[None, :]
-    q = gl.load(ptrs, mask=(heads < QPK)[:, None], other=0.0)
+def _query_b_operand(q, HEAD_DIM: gl.constexpr, PIECE: gl.constexpr, DTYPE: gl.constexpr):
+    """The group's queries q [8, D] as S^T's B operand: q^T [D, 8] in DTYPE (fp16 clamped to its range
+    over an fp8 cache), rows in k order."""
     if DTYPE == gl.float16:
         q = gl.minimum(gl.maximum(q.to(gl.float32), -FP16_MAX), FP16_MAX)
     q_t = gl.permute(_head_dim_perm(q.to(DTYPE), MAX_GROUP, HEAD_DIM, PIECE), [1, 0])   # [D, 8]
     return gl.convert_layout(q_t, gl.DotOperandLayout(1, _mma_layout(), 2))
+
+
+@gluon.jit
+def _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The group's queries [8, D], heads past QPK zero."""
+    heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(1, _query_layout()))
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, _query_layout()))
+    ptrs = q_ptr + token * stride_qt + (kv_head * QPK + heads)[:, None] * stride_qh + dims[None, :]
+    return gl.load(ptrs, mask=(heads < QPK)[:, None], other=0.0)
 
 
 @gluon.jit
@@ -222,10 +234,18 @@ def decode_mma_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh, stride_bt,
         stride_pt, stride_ph, stride_lt, stride_lh, num_splits,
+        k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, rope_eps,
+        stride_knt, stride_knh, stride_vnt, stride_vnh,
         QPK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        KV_FP8: gl.constexpr, E5M2: gl.constexpr, IS_SPLIT: gl.constexpr, PDL: gl.constexpr):
+        KV_FP8: gl.constexpr, E5M2: gl.constexpr, IS_SPLIT: gl.constexpr,
+        ROPE: gl.constexpr, QK_NORM: gl.constexpr, FP8_MAX: gl.constexpr, PDL: gl.constexpr):
     """Grid: (KV heads x splits, sequences). KV_FP8: an fp8 cache (E5M2: e5m2, else e4m3), products in
-    fp16, per-KV-head scales; else a 16-bit cache of q's dtype, products in it."""
+    fp16, per-KV-head scales; else a 16-bit cache of q's dtype, products in it.
+
+    ROPE (triton_attn.DECODE_FUSED_ROPE), as in triton_attn's decode tile: q and the new key and value
+    are this step's before q/k norm (QK_NORM) and RoPE; the program of the split whose tiles hold the
+    new key stores it into the cache first (triton_kv_write's helpers, the same rounding as the RoPE
+    kernel's)."""
     mma: gl.constexpr = _mma_layout()
     DTYPE: gl.constexpr = gl.float16 if KV_FP8 else q_ptr.dtype.element_ty
     launch_dependents(PDL)
@@ -238,7 +258,16 @@ def decode_mma_kernel(
         return
     ctx_len, scale_log2, v_scale = decode_context(seq_lens_k_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, scale_log2,
                                                   KV_FP8)
-    q_b = _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK, HEAD_DIM, _piece(KV_FP8), DTYPE)
+    if ROPE:
+        q = _rope_query_and_store_kv(
+            q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, token, kv_head, ctx_len, split, num_splits,
+            stride_qt, stride_qh, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
+            k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, rope_eps,
+            stride_knt, stride_knh, stride_vnt, stride_vnh,
+            QPK, BLOCK_N, HEAD_DIM, PAGE_SIZE, KV_FP8, E5M2, QK_NORM, FP8_MAX)
+    else:
+        q = _load_query(q_ptr, token, kv_head, stride_qt, stride_qh, QPK, HEAD_DIM)
+    q_b = _query_b_operand(q, HEAD_DIM, _piece(KV_FP8), DTYPE)
 
     # one query at the context's end: it sees every key, so only the last tile is masked
     tile_begin, full_end, masked_begin, tile_end = split_tile_range(ctx_len, ctx_len, split, num_splits, BLOCK_N)
@@ -272,6 +301,38 @@ def decode_mma_kernel(
                                   BLOCK_N, HEAD_DIM, True, KV_FP8, E5M2)
     _store(out_ptr, part_out_ptr, part_lse_ptr, acc_t, m_i, gl.sum(l_i, 0), v_scale, token, kv_head, split,
            stride_ot, stride_oh, stride_pt, stride_ph, stride_lt, stride_lh, QPK, HEAD_DIM, IS_SPLIT)
+
+
+@gluon.jit
+def _rope_query_and_store_kv(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, token, kv_head, ctx_len,
+                             split, num_splits, stride_qt, stride_qh, stride_kb, stride_kr, stride_kh,
+                             stride_vb, stride_vr, stride_vh, k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr,
+                             q_w_ptr, k_w_ptr, rope_eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                             QPK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             PAGE_SIZE: gl.constexpr, KV_FP8: gl.constexpr, E5M2: gl.constexpr,
+                             QK_NORM: gl.constexpr, FP8_MAX: gl.constexpr):
+    """The fused RoPE (ROPE): the group's queries [8, D] normed and rotated, and, in the program of the
+    split whose tiles hold the new key, this step's key and value stored into the cache (through
+    element pointers: the kernel reads the cache as words), visible to the program's loads after."""
+    half_dims = gl.arange(0, HEAD_DIM // 2, layout=gl.SliceLayout(0, _query_layout()))[None, :]
+    cos, sin = load_cos_sin(cos_sin_ptr, gl.load(pos_ptr + token), half_dims)
+    heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(1, _query_layout()))
+    q = rope_q_rows(q_ptr, token + heads * 0, kv_head * QPK + heads, heads < QPK, stride_qt, stride_qh, q_w_ptr,
+                    cos, sin, rope_eps, half_dims, QK_NORM)             # [8, D]
+    if split == split_of_last_key(ctx_len, num_splits, BLOCK_N):
+        if KV_FP8:
+            elem: gl.constexpr = gl.float8e5 if E5M2 else gl.float8e4nv
+        else:
+            elem: gl.constexpr = q_ptr.dtype.element_ty
+        vpw: gl.constexpr = _values_per_word(KV_FP8)
+        rope_store_new_kv(k_new_ptr, v_new_ptr, token, kv_head, slot_ptr,
+                          k_cache_ptr.to(gl.pointer_type(elem), bitcast=True),
+                          v_cache_ptr.to(gl.pointer_type(elem), bitcast=True), k_scale_ptr, v_scale_ptr, k_w_ptr,
+                          cos, sin, rope_eps, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                          stride_kb * vpw, stride_kr * vpw, stride_kh * vpw, stride_vb * vpw, stride_vr * vpw,
+                          stride_vh * vpw, 1, half_dims, PAGE_SIZE, QK_NORM, KV_FP8, FP8_MAX)
+        tl.debug_barrier()  # the key and value written are visible to the program's loads below
+    return q
 
 
 @gluon.jit

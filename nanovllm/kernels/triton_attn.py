@@ -227,8 +227,8 @@ DECODE_FMA_MAX_GROUP = 2
 # products' register fragments): over an fp8 cache with DECODE_MMA_FP8, over a 16-bit cache of the
 # queries' dtype with DECODE_MMA_16BIT; for groups of up to its MAX_GROUP query heads and power-of-two
 # head sizes from DECODE_MMA_MIN_HEAD_DIM, on GPUs of DECODE_MMA_MIN_CAPABILITY (fp8 -> fp16x2 in one
-# instruction). It takes precedence over the CUDA-core kernel and the decode tiles. No fused RoPE
-# (`fuses_decode_rope` is false for these batches). Compiled for sm_90 offline (benchmarks/attn_sass.py
+# instruction). It takes precedence over the CUDA-core kernel and the decode tiles, and fuses the RoPE
+# as they do (DECODE_FUSED_ROPE). Compiled for sm_90 offline (benchmarks/attn_sass.py
 # --gluon; RESULTS.md "Thirty-third session"): a 16-key tile's loop is 230 instructions for the whole
 # group over an fp8 cache (201 over bf16), nothing through shared memory, 130 registers (168); against
 # 757 for decode_fma's two query heads, and ~348 (fp8) / ~324 (bf16) a warp per 16 keys for the decode
@@ -805,7 +805,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert rope is None or fuses_decode_rope(q, k_cache, max_seqlen_q), "the caller checks fuses_decode_rope"
     if max_seqlen_q == 1 and _use_decode_mma(q, k_cache, v_cache, kv_fp8):
         return _decode_mma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
-                           k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, max_seqlen_k, num_splits)
+                           k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, max_seqlen_k, num_splits, rope)
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
@@ -851,11 +851,9 @@ def _attention_grid(num_q_blocks: int, heads_splits: int, num_seqs: int) -> tupl
 
 def fuses_decode_rope(q: torch.Tensor, k_cache: torch.Tensor, max_seqlen_q: int) -> bool:
     """Whether `paged_attention` takes a batch's q/k norm + RoPE and K/V store (`rope`): with
-    DECODE_FUSED_ROPE, a decode-only batch on the decode tile or `triton_decode_fma` (not an fp8
-    tensor-core tile), heads of a power-of-two size."""
+    DECODE_FUSED_ROPE, a decode-only batch on the decode tile, `triton_decode_fma` or `gluon_decode_mma`
+    (not an fp8 tensor-core tile), heads of a power-of-two size."""
     if not DECODE_FUSED_ROPE or max_seqlen_q != 1:
-        return False
-    if _use_decode_mma(q, k_cache, None, kv_quant.is_fp8(k_cache.dtype)):
         return False
     head_dim = q.shape[-1]
     if _fp8_mma(k_cache.dtype, q.dtype, 1, DECODE_FP8_QUERY_QUANT or DECODE_FP8_PV_MMA):
@@ -950,7 +948,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
                 scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                max_seqlen_k: int | None, num_splits: int | None) -> torch.Tensor:
+                max_seqlen_k: int | None, num_splits: int | None, rope: DecodeRope | None = None) -> torch.Tensor:
     """`paged_attention` of a decode-only batch through `gluon_decode_mma` (k_scale, v_scale: an fp8
     cache's, else None)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -967,6 +965,7 @@ def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k_words.stride(0), k_words.stride(1), k_words.stride(2), v_words.stride(0), v_words.stride(1),
         v_words.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
+        **_rope_args(rope, q, k_cache, seq_lens_k, opaque_q=False),
         QPK=num_heads // num_kv_heads, BLOCK_N=DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
         num_warps=1, **launch_options(q.device))
