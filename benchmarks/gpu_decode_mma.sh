@@ -4,7 +4,8 @@
 # Gluon kernel's tile and split variants against the kernels it replaces: triton_decode_fma for groups
 # of 2, the fp8 decode tile for groups of 4), then B1 end to end through the public API with it on and
 # off. One log per step under $OUT. Steps (STEPS, in order):
-#   tests     tests/test_gluon_decode_mma.py (the kernel switched on against the torch reference)
+#   tests     tests/test_gluon_decode_mma.py (the kernel switched on against the torch reference) and its fused
+#             RoPE against the separate RoPE kernel (tests/test_triton_attn.py -k gluon)
 #   attn      bench_b1_attention.py over VARIANTS (split policies: programs a multiprocessor, keys a split),
 #             --shape 0.6b then 8b
 #   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
@@ -35,7 +36,8 @@ source benchmarks/gpu_run_step.sh
 
 for step in $STEPS; do
   case $step in
-    tests) run_step tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gluon_decode_mma.py ;;
+    tests) run_step tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_gluon_decode_mma.py \
+             tests/test_triton_attn.py -k gluon ;;
     attn) for shape in 0.6b 8b; do
             run_step "attn_$shape" 170 python3 benchmarks/bench_b1_attention.py --shape "$shape" --every "$EVERY" \
               --kv-cache-dtype fp8 --variants "$VARIANTS" --extra-variants "$VARIANT_JSON"
