@@ -14,7 +14,7 @@
 #   long      one 32k-token sequence's decode (bench_long_context.py, bf16 cache) with the kernel: its own
 #             split sweep under two split policies (1-warp programs want more splits than the tile)
 #
-# All steps take ~15 minutes on an H200 with an empty Triton cache; split them over calls where one call is
+# All steps together: about 15 minutes by their time limits (not yet run); split them over calls where one is
 # limited (e.g. STEPS="tests attn", then STEPS="b1 b8", then STEPS="attn_bf16 b1_bf16 long").
 #
 #   bash benchmarks/gpu_decode_mma.sh
