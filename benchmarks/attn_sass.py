@@ -103,7 +103,7 @@ def compile_decode_fma(kv: str, arch: int, qpk: int = QPK, rope: bool = False):
 
 
 def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None = None, head_dim: int = HEAD_DIM,
-                       split: bool = False, rope: bool = False):
+                       split: bool = False, rope: bool = False, prefetch: int | None = None):
     """`gluon_decode_mma`'s kernel over a `kv` cache ("auto": bf16), passed as int32 words as
     `triton_attn._decode_mma` passes it (rope: DECODE_FUSED_ROPE's, with the q/k norm)."""
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -112,6 +112,7 @@ def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None =
     fn = gdm.decode_mma_kernel
     block_n = block_n or ta.DECODE_MMA_BLOCK_N  # (a tile lies in one cache block: pages of at least BLOCK_N)
     consts = dict(QPK=qpk, BLOCK_N=block_n, HEAD_DIM=head_dim, PAGE_SIZE=max(PAGE_SIZE, block_n),
+                  PREFETCH=prefetch or ta.DECODE_MMA_PREFETCH,
                   KV_FP8=kv != "auto", E5M2=kv == "fp8_e5m2", IS_SPLIT=split, ROPE=rope, QK_NORM=rope,
                   FP8_MAX=448.0 if kv == "fp8" else 57344.0 if kv == "fp8_e5m2" else 0.0, PDL=True)
     pointers = dict(_attention_pointers(kv), k_cache_ptr="*i32", v_cache_ptr="*i32")
@@ -263,6 +264,7 @@ def main() -> None:
                     help="gluon_decode_mma's kernel instead (--tiles: its BLOCK_N values; --split: its split variant)")
     ap.add_argument("--split", action="store_true", help="with --gluon: the split-KV variant")
     ap.add_argument("--head-dim", type=int, default=HEAD_DIM, help="with --gluon: the head size")
+    ap.add_argument("--prefetch", type=int, default=None, help="with --gluon: tiles its loads run ahead (1 or 2)")
     ap.add_argument("--prefill", action="store_true", help="the prefill tiles (--tiles BLOCK_M/BLOCK_N/warps/stages)")
     ap.add_argument("--check-warp-specialize", action="store_true",
                     help="with --prefill: also compile each TMA tile's loop warp-specialized and compare")
@@ -277,9 +279,9 @@ def main() -> None:
         for kv in args.kv.split(","):
             for block_n in [int(t) for t in args.tiles.split(",") if t] or [ta.DECODE_MMA_BLOCK_N]:
                 name = (f"decode_mma_{kv}_q{args.qpk}_d{args.head_dim}_n{block_n}{'_split' if args.split else ''}"
-                        f"{'_rope' if args.fused_rope else ''}")
+                        f"{'_rope' if args.fused_rope else ''}{f'_p{args.prefetch}' if args.prefetch else ''}")
                 kernel = compile_decode_mma(kv, args.arch, args.qpk, block_n, args.head_dim, args.split,
-                                            args.fused_rope)
+                                            args.fused_rope, args.prefetch)
                 sass, usage = sass_of(kernel, args.keep, name)
                 regs = re.search(r"REG:(\d+)", usage)
                 spills = len(re.findall(r"\bSTL\b", sass))

@@ -6,7 +6,8 @@
 # off. One log per step under $OUT. Steps (STEPS, in order):
 #   tests     tests/test_gluon_decode_mma.py (the kernel switched on against the torch reference) and its fused
 #             RoPE against the separate RoPE kernel (tests/test_triton_attn.py -k gluon)
-#   attn      bench_b1_attention.py over VARIANTS (split policies: programs a multiprocessor, keys a split),
+#   attn      bench_b1_attention.py over VARIANTS (split policies: programs a multiprocessor, keys a split;
+#             loads two tiles ahead),
 #             --shape 0.6b then 8b
 #   b1        B1 with an fp8 cache (bench_offline.py), kernel on, off, on (first timed call each)
 #   b8        the Qwen3-8B shape, bf16 against fp8 weights + fp8 KV (bench_fp8.py b1-8b), kernel on
@@ -30,8 +31,10 @@ MMA=${MMA:-'{"DECODE_MMA_FP8": true}'}   # the triton_attn constants B1 runs wit
 VARIANT_JSON='{"old": {}, "mma": {"DECODE_MMA_FP8": true},
   "mma8": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
   "mma32": {"DECODE_MMA_FP8": true, "DECODE_MMA_PROGRAMS_PER_SM": 32},
-  "mma_k256": {"DECODE_MMA_FP8": true, "MIN_KEYS_PER_SPLIT": 256, "DECODE_MMA_MAX_SPLITS": 64}}'
-VARIANTS=${VARIANTS:-old,mma,mma8,mma32,mma_k256}
+  "mma_k256": {"DECODE_MMA_FP8": true, "MIN_KEYS_PER_SPLIT": 256, "DECODE_MMA_MAX_SPLITS": 64},
+  "mma_p2": {"DECODE_MMA_FP8": true, "DECODE_MMA_PREFETCH": 2}, "mma8_p2": {"DECODE_MMA_FP8": true,
+  "DECODE_MMA_PREFETCH": 2, "DECODE_MMA_PROGRAMS_PER_SM": 8}}'
+VARIANTS=${VARIANTS:-old,mma,mma8,mma32,mma_k256,mma_p2,mma8_p2}
 BF16_JSON='{"old": {}, "mma": {"DECODE_MMA_16BIT": true}, "mma8": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 8},
   "mma32": {"DECODE_MMA_16BIT": true, "DECODE_MMA_PROGRAMS_PER_SM": 32}}'
 

@@ -120,16 +120,18 @@ def test_decode_mma_applies_only_where_its_layouts_hold(monkeypatch):
     assert not applies(cache=torch.float16)          # a 16-bit cache of another dtype than the queries'
 
 
-# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split, fused RoPE); a 32-key tile for pages of
-# 32 or more
-COMPILED = [("fp8", 2, 128, 16, False, False), ("fp8_e5m2", 4, 128, 16, True, True), ("fp8", 8, 64, 32, False, False),
-            ("fp8", 1, 256, 16, True, False), ("auto", 4, 128, 16, True, True)]
+# (kv_cache_dtype, query heads per KV head, head_dim, BLOCK_N, split, fused RoPE, tiles prefetched); a 32-key
+# tile for pages of 32 or more
+COMPILED = [("fp8", 2, 128, 16, False, False, 1), ("fp8_e5m2", 4, 128, 16, True, True, 1),
+            ("fp8", 8, 64, 32, False, False, 1), ("fp8", 1, 256, 16, True, False, 1),
+            ("auto", 4, 128, 16, True, True, 1), ("fp8", 4, 128, 16, True, False, 2)]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton's compiler")
-@pytest.mark.parametrize("kv,qpk,head_dim,block_n,split,rope", COMPILED)
-def test_decode_mma_compiles_for_hopper_with_registers_only_loops(tmp_path, kv, qpk, head_dim, block_n, split, rope):
-    kernel = attn_sass.compile_decode_mma(kv, 90, qpk, block_n, head_dim, split, rope)
+@pytest.mark.parametrize("kv,qpk,head_dim,block_n,split,rope,prefetch", COMPILED)
+def test_decode_mma_compiles_for_hopper_with_registers_only_loops(tmp_path, kv, qpk, head_dim, block_n, split, rope,
+                                                                   prefetch):
+    kernel = attn_sass.compile_decode_mma(kv, 90, qpk, block_n, head_dim, split, rope, prefetch)
     sass, _ = attn_sass.sass_of(kernel, str(tmp_path), "decode_mma")
     assert "STL" not in sass.split(), "register spills"
     loops = attn_sass.loops(sass)

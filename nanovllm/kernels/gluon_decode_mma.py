@@ -237,10 +237,11 @@ def decode_mma_kernel(
         k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, rope_eps,
         stride_knt, stride_knh, stride_vnt, stride_vnh,
         QPK: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-        KV_FP8: gl.constexpr, E5M2: gl.constexpr, IS_SPLIT: gl.constexpr,
+        PREFETCH: gl.constexpr, KV_FP8: gl.constexpr, E5M2: gl.constexpr, IS_SPLIT: gl.constexpr,
         ROPE: gl.constexpr, QK_NORM: gl.constexpr, FP8_MAX: gl.constexpr, PDL: gl.constexpr):
     """Grid: (KV heads x splits, sequences). KV_FP8: an fp8 cache (E5M2: e5m2, else e4m3), products in
-    fp16, per-KV-head scales; else a 16-bit cache of q's dtype, products in it.
+    fp16, per-KV-head scales; else a 16-bit cache of q's dtype, products in it. PREFETCH: tiles whose
+    loads are in flight while one is computed (1 or 2).
 
     ROPE (triton_attn.DECODE_FUSED_ROPE), as in triton_attn's decode tile: q and the new key and value
     are this step's before q/k norm (QK_NORM) and RoPE; the program of the split whose tiles hold the
@@ -277,22 +278,33 @@ def decode_mma_kernel(
     acc_t = gl.zeros([HEAD_DIM, MAX_GROUP], gl.float32, mma)
     block_table_ptr = block_tables_ptr + seq.to(gl.int64) * stride_bt
     if tile_begin < full_end:
-        # registers hold the next tile's K and V while this one is used, and the block id of the one after
-        # (a tile's loads wait for its block id: read a tile earlier, its latency is off the loop's path)
+        # registers hold the next PREFETCH tiles' K and V while this one is used, and the block id of the one
+        # after them (a tile's loads wait for its block id: read a tile earlier, its latency is off the path)
         last = full_end - 1
         k, v = _load_tiles(k_cache_ptr, v_cache_ptr, _block_of(block_table_ptr, tile_begin, BLOCK_N, PAGE_SIZE),
                            tile_begin, ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
                            stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
-        next_block = _block_of(block_table_ptr, gl.minimum(tile_begin + 1, last), BLOCK_N, PAGE_SIZE)
+        if PREFETCH == 2:
+            second = gl.minimum(tile_begin + 1, last)
+            k2, v2 = _load_tiles(k_cache_ptr, v_cache_ptr, _block_of(block_table_ptr, second, BLOCK_N, PAGE_SIZE),
+                                 second, ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+                                 stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
+        next_block = _block_of(block_table_ptr, gl.minimum(tile_begin + PREFETCH, last), BLOCK_N, PAGE_SIZE)
         for tile in range(tile_begin, full_end):
-            k_next, v_next = _load_tiles(k_cache_ptr, v_cache_ptr, next_block, gl.minimum(tile + 1, last), ctx_len,
-                                         kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,
-                                         BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
-            next_block = _block_of(block_table_ptr, gl.minimum(tile + 2, last), BLOCK_N, PAGE_SIZE)
+            k_next, v_next = _load_tiles(k_cache_ptr, v_cache_ptr, next_block, gl.minimum(tile + PREFETCH, last),
+                                         ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr,
+                                         stride_vh, BLOCK_N, HEAD_DIM, PAGE_SIZE, False, KV_FP8)
+            next_block = _block_of(block_table_ptr, gl.minimum(tile + PREFETCH + 1, last), BLOCK_N, PAGE_SIZE)
             acc_t, m_i, l_i = _attend(acc_t, m_i, l_i, q_b, k, v, tile, ctx_len, scale_log2,
                                       BLOCK_N, HEAD_DIM, False, KV_FP8, E5M2)
-            k = k_next
-            v = v_next
+            if PREFETCH == 2:
+                k = k2
+                v = v2
+                k2 = k_next
+                v2 = v_next
+            else:
+                k = k_next
+                v = v_next
     for tile in range(masked_begin, tile_end):
         k, v = _load_tiles(k_cache_ptr, v_cache_ptr, _block_of(block_table_ptr, tile, BLOCK_N, PAGE_SIZE), tile,
                            ctx_len, kv_head, stride_kb, stride_kr, stride_kh, stride_vb, stride_vr, stride_vh,

@@ -238,6 +238,7 @@ DECODE_FMA_MAX_GROUP = 2
 DECODE_MMA_FP8 = False
 DECODE_MMA_16BIT = False
 DECODE_MMA_BLOCK_N = 16             # keys a tile (a tile lies in one cache block)
+DECODE_MMA_PREFETCH = 1             # tiles a program's loads run ahead of its products (1 or 2)
 DECODE_MMA_PROGRAMS_PER_SM = 16     # the split policy's target for this kernel (1-warp programs)
 DECODE_MMA_MAX_SPLITS = 32
 DECODE_MMA_MIN_HEAD_DIM = 64
@@ -967,7 +968,7 @@ def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         **_rope_args(rope, q, k_cache, seq_lens_k, opaque_q=False),
         QPK=num_heads // num_kv_heads, BLOCK_N=DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
+        PREFETCH=DECODE_MMA_PREFETCH, KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
         num_warps=1, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim)
