@@ -76,6 +76,15 @@ def test_decode_mma_matches_the_reference(gen, decode_mma, case, dtype, cache_dt
 
 
 @needs_fp8_gpu
+@pytest.mark.parametrize("dtype,cache_dtype", [DTYPES[0], DTYPES[4]])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_mma_loading_two_tiles_ahead(gen, decode_mma, monkeypatch, case, dtype, cache_dtype):
+    """DECODE_MMA_PREFETCH = 2: the same results with two tiles' loads in flight."""
+    monkeypatch.setattr(triton_attn, "DECODE_MMA_PREFETCH", 2)
+    test_decode_mma_matches_the_reference(gen, decode_mma, case, dtype, cache_dtype)
+
+
+@needs_fp8_gpu
 def test_decode_mma_agrees_with_the_triton_kernels(gen, decode_mma, monkeypatch):
     """The same batch through the Gluon kernel and through the CUDA-core kernel it replaces: both
     round the same fp8 values, so they agree more closely than either does with the reference."""
