@@ -26,8 +26,9 @@ One program (one warp) computes one sequence's query heads of one KV head over o
 context; splits write partial outputs and log2-sum-exps for `triton_attn`'s combine kernel. Same
 arguments and results as `triton_attn.paged_attention` for a decode-only batch: over an fp8 cache
 with per-KV-head scales, products in fp16 (e4m3 and e5m2 are exact in fp16); over a 16-bit cache of
-the queries' dtype, products in it; fp32 accumulation. The cache is passed as int32 words (the
-loop carries words, not bytes). Variants: per model and cache dtype, split or not.
+the queries' dtype, products in it; fp32 accumulation; the fused RoPE of triton_attn.DECODE_FUSED_ROPE.
+The cache is passed as int32 words (the loop carries words, not bytes). Variants: per model and cache
+dtype, split or not (with DECODE_FUSED_ROPE its ROPE ones instead, as many).
 """
 import triton.language as tl
 from triton.experimental import gluon
