@@ -228,13 +228,13 @@ DECODE_FMA_MAX_GROUP = 2
 # queries' dtype with DECODE_MMA_16BIT; for groups of up to its MAX_GROUP query heads and power-of-two
 # head sizes from DECODE_MMA_MIN_HEAD_DIM, on GPUs of DECODE_MMA_MIN_CAPABILITY (fp8 -> fp16x2 in one
 # instruction). It takes precedence over the CUDA-core kernel and the decode tiles, and fuses the RoPE
-# as they do (DECODE_FUSED_ROPE). Compiled for sm_90 offline (benchmarks/attn_sass.py
-# --gluon; RESULTS.md "Thirty-third session"): a 16-key tile's loop is 230 instructions for the whole
-# group over an fp8 cache (201 over bf16), nothing through shared memory, 130 registers (168); against
-# 757 for decode_fma's two query heads, and ~348 (fp8) / ~324 (bf16) a warp per 16 keys for the decode
-# tiles plus ~105 KB read and 71.5 KB written to shared memory a 128-key tile. Both off until the
-# kernel has run on a GPU: its tests and benchmarks there are written (benchmarks/gpu_decode_mma.sh),
-# not yet run.
+# as they do (DECODE_FUSED_ROPE). Compiled for sm_90 offline (benchmarks/attn_sass.py --gluon;
+# RESULTS.md "Thirty-third session"), a 16-key tile's loop is 230 instructions for the whole group
+# over an fp8 cache (201 over bf16), nothing through shared memory, at 130 registers (168); decode_fma
+# takes 757 for two query heads, the decode tiles ~348 (fp8) / ~324 (bf16) a warp per 16 keys plus
+# ~105 KB read and 71.5 KB written to shared memory a 128-key tile. Its one variant that spills: head
+# size 256 over bf16 (255 registers, 4 spill stores). Both off until the kernel has run on a GPU: its
+# tests and benchmarks there are written (benchmarks/gpu_decode_mma.sh), not yet run.
 DECODE_MMA_FP8 = False
 DECODE_MMA_16BIT = False
 DECODE_MMA_BLOCK_N = 16             # keys a tile (a tile lies in one cache block)
