@@ -36,13 +36,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from nanovllm.kernels.triton_kv_write import load_cos_sin, rope_q_rows, rope_store_new_kv
-from nanovllm.kernels.triton_paged_tiles import (RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context, split_of_last_key,
-                                                 split_tile_range)
+from nanovllm.kernels.triton_paged_tiles import (FP16_MAX, RUN_TIME_ARGS, RUNNING_MAX_INIT, decode_context,
+                                                 split_of_last_key, split_tile_range)
 from nanovllm.kernels.triton_pdl import launch_dependents, wait_for_prior_grid
 
 MAX_GROUP = gl.constexpr(8)   # query heads of one KV head: P^T's columns, the B operand's n of 8
-MMA_M = gl.constexpr(16)      # rows of one mma.sync (m16n8k16)
-FP16_MAX = gl.constexpr(65504.0)
 
 
 @gluon.constexpr_function

@@ -88,13 +88,12 @@ import triton.language as tl
 from nanovllm.kernels import gluon_decode_mma, kv_quant, triton_decode_fma, triton_prefill_tma
 from nanovllm.kernels.fused_ops import DecodeRope
 from nanovllm.kernels.triton_kv_write import load_cos_sin, quantize_fp8, rope_q_rows, rope_store_new_kv
-from nanovllm.kernels.triton_paged_tiles import (LOG2E, RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile, load_q_tile,
-                                                 split_of_last_key, split_tile_range, store_rows)
+from nanovllm.kernels.triton_paged_tiles import (FP16_MAX, LOG2E, RUN_TIME_ARGS, RUNNING_MAX_INIT, load_kv_tile,
+                                                 load_q_tile, split_of_last_key, split_tile_range, store_rows)
 from nanovllm.kernels.triton_pdl import launch_dependents, launch_options, wait_for_prior_grid
 
 MIN_DOT_DIM = 16            # tl.dot needs every dimension of its tiles to be >= 16
 WGMMA_MIN_M = tl.constexpr(64)  # Hopper's wgmma (operands from shared memory) needs >= 64 rows
-FP16_MAX = tl.constexpr(65504.0)  # queries beyond it (none in practice) are clamped, not made inf
 
 
 # ----------------------------------------------------------------------------- tiles

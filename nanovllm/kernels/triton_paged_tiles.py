@@ -15,6 +15,8 @@ LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): the kernels' softmax 
 # Running maximum starts finite, so a row with no visible key in a tile gets p = 0
 # (exp2(-inf - finite)) instead of exp2(-inf - -inf) = NaN.
 RUNNING_MAX_INIT = tl.constexpr(-1.0e30)
+# fp16 products over an fp8 cache take 16-bit queries clamped to it (none beyond it in practice), not made inf
+FP16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
