@@ -19,7 +19,7 @@
 # limited (e.g. STEPS="tests attn", then STEPS="b1 b8", then STEPS="attn_bf16 b1_bf16 long").
 #
 #   bash benchmarks/gpu_decode_mma.sh
-#   STEPS="b1 b8" MMA='{"DECODE_MMA_FP8": true, "DECODE_MMA_BLOCK_N": 32}' bash benchmarks/gpu_decode_mma.sh
+#   STEPS="b1 b8" MMA='{"DECODE_MMA_FP8": true, "DECODE_MMA_PREFETCH": 2}' bash benchmarks/gpu_decode_mma.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_decode_mma}
