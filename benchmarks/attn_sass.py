@@ -58,14 +58,15 @@ def _attention_pointers(kv: str) -> dict:
 
 
 def _compile(fn, consts: dict, pointers: dict, aligned: tuple, warps: int, stages: int, arch: int,
-             maxnreg: int | None = None):
-    """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints."""
+             maxnreg: int | None = None, source=ASTSource):
+    """`fn` for `arch` with these constexprs, pointer (and tensor-descriptor) types and 16-aligned ints
+    (`source`: Gluon's GluonASTSource for a Gluon kernel)."""
     names = list(fn.arg_names)
     signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
                  for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if n in aligned or pointers.get(n, "").startswith("*")}
-    return triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+    return triton.compile(source(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
 
 
@@ -116,13 +117,8 @@ def compile_decode_mma(kv: str, arch: int, qpk: int = QPK, block_n: int | None =
                   KV_FP8=kv != "auto", E5M2=kv == "fp8_e5m2", IS_SPLIT=split, ROPE=rope, QK_NORM=rope,
                   FP8_MAX=448.0 if kv == "fp8" else 57344.0 if kv == "fp8_e5m2" else 0.0, PDL=True)
     pointers = dict(_attention_pointers(kv), k_cache_ptr="*i32", v_cache_ptr="*i32")
-    names = list(fn.arg_names)
-    signature = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32")
-                 for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in ALIGNED[:-1] or pointers.get(n, "").startswith("*")}
-    return triton.compile(GluonASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=1))
+    # no stride_vd (its V rows are contiguous); 1 warp and Triton's default 3 stages, as the engine launches it
+    return _compile(fn, consts, pointers, ALIGNED[:-1], 1, 3, arch, source=GluonASTSource)
 
 
 def compile_prefill(kernel: str, block_m: int, block_n: int, warps: int, stages: int, arch: int, qpk: int = QPK,
