@@ -805,7 +805,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert rope is None or fuses_decode_rope(q, k_cache, max_seqlen_q), "the caller checks fuses_decode_rope"
     if max_seqlen_q == 1 and _use_decode_mma(q, k_cache, v_cache, kv_fp8):
         return _decode_mma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
-                           k_scale if kv_fp8 else None, v_scale if kv_fp8 else None, max_seqlen_k, num_splits, rope)
+                           k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
     if max_seqlen_q == 1 and _use_decode_fma(kv_fp8, k_cache.dtype, q.dtype, qpk):
         return _decode_fma(q, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale, out,
                            k_scale, v_scale, kv_fp8, max_seqlen_k, num_splits, rope)
@@ -948,9 +948,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
                 scale: float, out: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                max_seqlen_k: int | None, num_splits: int | None, rope: DecodeRope | None = None) -> torch.Tensor:
-    """`paged_attention` of a decode-only batch through `gluon_decode_mma` (k_scale, v_scale: an fp8
-    cache's, else None)."""
+                kv_fp8: bool, max_seqlen_k: int | None, num_splits: int | None,
+                rope: DecodeRope | None = None) -> torch.Tensor:
+    """`paged_attention` of a decode-only batch through `gluon_decode_mma`."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens_k.shape[0], k_cache.shape[2]
     if num_splits is None:
@@ -960,14 +960,15 @@ def _decode_mma(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_words, v_words = k_cache.view(torch.int32), v_cache.view(torch.int32)  # 4 fp8 or 2 16-bit values a word
     gluon_decode_mma.decode_mma_kernel[(num_kv_heads * num_splits, num_seqs)](
         out, part_out, part_lse, q, k_words, v_words, cu_seqlens_q, seq_lens_k, block_tables, scale * LOG2E,
-        seq_lens_k if k_scale is None else k_scale, seq_lens_k if v_scale is None else v_scale,
+        k_scale if kv_fp8 else seq_lens_k, v_scale if kv_fp8 else seq_lens_k,  # (unread for a 16-bit cache)
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_words.stride(0), k_words.stride(1), k_words.stride(2), v_words.stride(0), v_words.stride(1),
         v_words.stride(2), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1), num_splits,
         **_rope_args(rope, q, k_cache, seq_lens_k, opaque_q=False),
         QPK=num_heads // num_kv_heads, BLOCK_N=DECODE_MMA_BLOCK_N, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
-        PREFETCH=DECODE_MMA_PREFETCH, KV_FP8=kv_quant.is_fp8(k_cache.dtype), E5M2=k_cache.dtype == torch.float8_e5m2, IS_SPLIT=num_splits > 1,
+        PREFETCH=DECODE_MMA_PREFETCH, KV_FP8=kv_fp8, E5M2=k_cache.dtype == torch.float8_e5m2,
+        IS_SPLIT=num_splits > 1,
         num_warps=1, **launch_options(q.device))
     if num_splits > 1:
         _combine(out, part_out, part_lse, num_splits, head_dim, head_dim)
