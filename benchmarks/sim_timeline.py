@@ -39,6 +39,11 @@ def events(timeline: dict) -> list[tuple[float, str]]:
                   + [(t, f"idle {gap * 1e3:.1f} ms") for t, gap in timeline["idle"]])
 
 
+def _first_and_last(what: str, times: list[float]) -> list[tuple[str, float]]:
+    """Marks for the first and last of `times` (none where it is empty)."""
+    return [(f"first {what}", min(times)), (f"last {what}", max(times))] if times else []
+
+
 def wave_turnarounds(timeline: dict, wave_size: int) -> list[dict[str, float]]:
     """Per wave boundary, ms from the delivery of its finished outputs to each later event (see --waves)."""
     waves = []
@@ -53,15 +58,12 @@ def wave_turnarounds(timeline: dict, wave_size: int) -> list[dict[str, float]]:
         if not ends or not submits:
             continue
         marks = [("streams ended", max(ends))]
-        if between("client_ends"):   # the client's side, where bench_serving recorded it
-            marks += [("client read last end", max(between("client_ends"))),
-                      ("client first send", min(between("client_sends"))),
-                      ("client last send", max(between("client_sends")))]
-        if between("receives"):
-            marks += [("first received", min(between("receives"))), ("last received", max(between("receives")))]
-        marks += [("first submit", min(submits)), ("last submit", max(submits))]
-        if between("arrivals"):   # the engine thread's adds
-            marks += [("first add", min(between("arrivals"))), ("last add", max(between("arrivals")))]
+        client_ends, client_sends = between("client_ends"), between("client_sends")
+        if client_ends:   # the client's side, where bench_serving recorded it
+            marks += [("client read last end", max(client_ends)), ("client first send", min(client_sends)),
+                      ("client last send", max(client_sends))]
+        marks += (_first_and_last("received", between("receives")) + _first_and_last("submit", submits)
+                  + _first_and_last("add", between("arrivals")))   # adds: the engine thread's
         marks.append(("next launch", nxt))
         waves.append({name: round((t - delivered) * 1e3, 2) for name, t in marks})
     return waves

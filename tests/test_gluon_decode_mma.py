@@ -163,7 +163,7 @@ def test_the_kernels_index_maps_in_torch():
     rows, words = 4, 32
     w = torch.arange(rows * words * 4).reshape(rows, words, 4)  # value j of word c: byte 4c + j
     b0, b1, b2, b3 = w.unbind(-1)
-    joined = _join(_join(b0, b2), _join(b1, b3)).reshape(rows, words * 4)  # `_fp8_words_to_f16`
+    joined = _join(_join(b0, b2), _join(b1, b3)).reshape(rows, words * 4)  # `_words_to_values` over an fp8 cache
     assert torch.equal(joined, torch.arange(rows * words * 4).reshape(rows, words * 4))
 
     for head_dim in (64, 128, 256):

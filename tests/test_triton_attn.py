@@ -261,7 +261,8 @@ def _check_decode_fused_rope(kernels, gen, monkeypatch, case, kernel, cache_dtyp
     monkeypatch.setattr(kernels, "DECODE_FMA_MAX_GROUP", 4 if fma else kernels.DECODE_FMA_MAX_GROUP)
     monkeypatch.setattr(kernels, "DECODE_MMA_FP8", kernel == "gluon")
     monkeypatch.setattr(kernels, "DECODE_MMA_16BIT", kernel == "gluon")
-    ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = {**FUSED_ROPE_CASES, **GLUON_FUSED_ROPE_CASES}[case]
+    cases = {**FUSED_ROPE_CASES, **GLUON_FUSED_ROPE_CASES}
+    ctx_lens, num_heads, num_kv_heads, head_dim, block_size, splits = cases[case]
     dtype = torch.bfloat16 if HAS_CUDA else torch.float16
     batch = _make_batch(gen, [(c - 1, 1) for c in ctx_lens], num_heads, num_kv_heads, head_dim, block_size, dtype)
     batch = {k: v.to(DEVICE) for k, v in batch.items()}
